@@ -17,11 +17,12 @@ __device__ __forceinline__ float finite_abs(float v) { return isfinite(v) ? fabs
 __device__ __forceinline__ float fp32_scale(float amax) { return fmaxf(amax / kE4M3Max, kFp32Tiny); }
 
 // UE8M0 exponent e in [-127, 127]: the smallest power of two 2^e with amax / 2^e <= 448.
-// amax == 0 gives -127. Exact: ceil(log2(amax / 448)) corrected against 448 * 2^e.
+// amax / 448 == 0 gives -127. Exact: ceil(log2(amax / 448)) corrected against 448 * 2^e.
 __device__ __forceinline__ int ue8m0_exponent(float amax) {
-  if (amax == 0.0f) return -127;
+  const float v = amax / kE4M3Max;
+  if (v == 0.0f) return -127;  // zero, or the division underflowed
   int e;
-  float m = frexpf(amax / kE4M3Max, &e);  // v = m * 2^e, m in [0.5, 1)
+  float m = frexpf(v, &e);                 // v = m * 2^e, m in [0.5, 1)
   if (m == 0.5f) e -= 1;                   // v is a power of two
   if (amax > ldexpf(kE4M3Max, e)) e += 1;  // the division rounded down across a power of two
   return max(-127, min(127, e));

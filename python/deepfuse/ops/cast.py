@@ -27,12 +27,13 @@ _SCALE_KIND = {"fp32": 0, "ue8m0": 1, "ue8m0_packed": 2}
 
 # ----------------------------------------------------------------------------- references
 def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """Smallest e with amax / 2^e <= 448, clamped to [-127, 127]; amax == 0 gives -127 (int32)."""
+    """Smallest e with amax / 2^e <= 448, clamped to [-127, 127]; amax/448 == 0 gives -127 (int32)."""
     amax = amax.float()
-    m, e = torch.frexp(amax / E4M3_MAX)
+    v = amax / E4M3_MAX
+    m, e = torch.frexp(v)
     e = torch.where(m == 0.5, e - 1, e)
     e = torch.where(amax > E4M3_MAX * torch.exp2(e.float()), e + 1, e)
-    e = torch.where(amax == 0, torch.full_like(e, -127), e)
+    e = torch.where(v == 0, torch.full_like(e, -127), e)  # zero, or amax/448 underflowed
     return e.clamp(-127, 127).to(torch.int32)
 
 
