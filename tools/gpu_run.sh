@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Everything GPU-side in one run on the GPU machine: install the carried wheel, GPU tests,
+# compute-sanitizer (memcheck, racecheck) over the `sanitize` tests, microbenchmarks.
+#   usage (device tool, from the repo root, carrying wheelhouse/):
+#     bash tools/gpu_run.sh [stages...]      stages: info tests sanitize bench (default: all)
+#   env: OUT (results folder; default ./gpu-out), BENCH_ARGS (e.g. "--quick --only cast"),
+#        PYTEST_ARGS (extra pytest args, e.g. "-k topk")
+# Logs go to $OUT/*.log; JSON + PNG results are packed into $OUT/results.tgz.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+OUT=${OUT:-$root/gpu-out}
+mkdir -p "$OUT" /tmp/deepfuse-res
+stages=${*:-info tests sanitize bench}
+export PYTHONUNBUFFERED=1
+export DEEPFUSE_COMMIT=${DEEPFUSE_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+
+whl=$(ls wheelhouse/deepfuse-*cp312*.whl 2>/dev/null | head -n1)
+if [ -z "$whl" ]; then echo "no cp312 wheel in wheelhouse/"; exit 2; fi
+python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/dfsite "$whl" || exit 3
+export PYTHONPATH=/tmp/dfsite:$root   # installed package + microbench/ from the tree
+rc=0
+run() {  # name, timeout, command...
+  local name=$1 t=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log"
+  local r=${PIPESTATUS[0]}
+  echo "=== $name exit $r"
+  [ "$r" = 0 ] || rc=1
+}
+for s in $stages; do
+  case $s in
+    info)
+      run info 60 bash -c 'nvidia-smi; python3 -c "import torch, deepfuse; print(torch.__version__, deepfuse.__version__, deepfuse.built_archs(), torch.cuda.get_device_name())"' ;;
+    tests)
+      run gpu-tests 420 python3 -m pytest -q -m "gpu or sanitize" -p no:cacheprovider tests ${PYTEST_ARGS:-} ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "sanitize-$tool" 300 compute-sanitizer --tool "$tool" \
+          --error-exitcode 9 --target-processes all python3 -m pytest -q -x -m sanitize -p no:cacheprovider tests ${PYTEST_ARGS:-}
+      done ;;
+    bench)
+      run bench 540 python3 -m microbench.run --out /tmp/deepfuse-res ${BENCH_ARGS:-} ;;
+  esac
+done
+tar -C /tmp/deepfuse-res -czf "$OUT/results.tgz" . 2>/dev/null
+echo "gpu_run: overall $([ $rc = 0 ] && echo OK || echo FAILURES)"
+exit $rc
