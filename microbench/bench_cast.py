@@ -1,0 +1,67 @@
+"""FP8 / MXFP8 activation casts: bandwidth vs the copy ceiling and vs the PyTorch version.
+
+python -m microbench.bench_cast --out DIR [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from deepfuse import ops
+from deepfuse.ops import cast as C
+from microbench import harness as H
+
+VARIANTS = {
+    # name: (callable on x, PyTorch baseline on x, scale bytes per group)
+    "per_token_fp32_g128": (lambda x: ops.fp8_per_token_cast(x, 128), lambda x: C.fp8_group_cast_ref(x, 128, "fp32"), 128, 4),
+    "per_token_ue8m0_g128": (lambda x: ops.fp8_per_token_cast(x, 128, scale_fmt="ue8m0"), lambda x: C.fp8_group_cast_ref(x, 128, "ue8m0"), 128, 1),
+    "mxfp8_packed": (lambda x: ops.mxfp8_cast(x, packed=True), lambda x: C.fp8_group_cast_ref(x, 32, "ue8m0_packed"), 32, 1),
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    ctx = H.Context.create()
+    print(ctx.header())
+    Ms = [64, 1024, 16384] if a.quick else [64, 256, 1024, 4096, 8192, 16384]
+    K = 7168
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, (fn, ref, group, sbytes) in VARIANTS.items():
+            for M in Ms:
+                x = torch.randn(M, K, device="cuda", dtype=dtype)
+                nbytes = M * K * (x.element_size() + 1) + M * (-(-K // group)) * sbytes
+                t = H.time_fn(lambda: fn(x))
+                tg = H.time_graph(lambda: fn(x)) if M <= 1024 else None
+                tb = H.time_fn(lambda: ref(x), reps=10)
+                bw = nbytes / t.s
+                rows.append(dict(kernel=name, dtype=str(dtype).removeprefix("torch."), M=M, K=K,
+                                 us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us,
+                                 graph_us=tg.median_us if tg else None, MB=nbytes / 1e6,
+                                 tbps=bw / 1e12, frac_copy=bw / (ctx.copy_tbps * 1e12),
+                                 torch_us=tb.median_us, speedup=tb.median_us / t.median_us))
+                del x
+    # same-size copies: what a plain copy of the same bytes reaches at each size
+    for M in Ms:
+        n = M * K * 3 // 2
+        src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+        dst = torch.empty_like(src)
+        t = H.time_fn(lambda: dst.copy_(src))
+        for r in rows:
+            if r["M"] == M and r["dtype"] == "bfloat16":
+                r["copy_same_size_us"] = t.median_us
+    H.print_table(rows, [("kernel", "{}"), ("dtype", "{}"), ("M", "{}"), ("K", "{}"), ("us", "{:.1f}"),
+                         ("graph_us", "{:.1f}"), ("tbps", "{:.2f}"), ("frac_copy", "{:.0%}"),
+                         ("torch_us", "{:.1f}"), ("speedup", "{:.1f}x"), ("copy_same_size_us", "{:.1f}")])
+    H.save(a.out, "cast", ctx, rows)
+    bf = [dict(r, series=f"{r['kernel']}") for r in rows if r["dtype"] == "bfloat16"]
+    H.plot(a.out, "cast", ctx, bf, x="M", ys=["tbps"], ylabel="TB/s (bytes read + written), bf16 in, K=7168",
+           group="series", hline=ctx.copy_tbps, hline_label="copy ceiling")
+
+
+if __name__ == "__main__":
+    main()
