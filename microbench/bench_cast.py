@@ -37,11 +37,12 @@ def main(argv=None):
                 nbytes = M * K * (x.element_size() + 1) + M * (-(-K // group)) * sbytes
                 t = H.time_fn(lambda: fn(x))
                 tg = H.time_graph(lambda: fn(x)) if M <= 1024 else None
+                te = H.time_eager(lambda: fn(x)) if M <= 1024 else None
                 tb = H.time_fn(lambda: ref(x), reps=10)
                 bw = nbytes / t.s
                 rows.append(dict(kernel=name, dtype=str(dtype).removeprefix("torch."), M=M, K=K,
                                  us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us,
-                                 graph_us=tg.median_us if tg else None, MB=nbytes / 1e6,
+                                 graph_us=tg.median_us if tg else None, eager_us=te, MB=nbytes / 1e6,
                                  tbps=bw / 1e12, frac_copy=bw / (ctx.copy_tbps * 1e12),
                                  torch_us=tb.median_us, speedup=tb.median_us / t.median_us))
                 del x
@@ -55,7 +56,7 @@ def main(argv=None):
             if r["M"] == M and r["dtype"] == "bfloat16":
                 r["copy_same_size_us"] = t.median_us
     H.print_table(rows, [("kernel", "{}"), ("dtype", "{}"), ("M", "{}"), ("K", "{}"), ("us", "{:.1f}"),
-                         ("graph_us", "{:.1f}"), ("tbps", "{:.2f}"), ("frac_copy", "{:.0%}"),
+                         ("graph_us", "{:.1f}"), ("eager_us", "{:.1f}"), ("tbps", "{:.2f}"), ("frac_copy", "{:.0%}"),
                          ("torch_us", "{:.1f}"), ("speedup", "{:.1f}x"), ("copy_same_size_us", "{:.1f}")])
     H.save(a.out, "cast", ctx, rows)
     bf = [dict(r, series=f"{r['kernel']}") for r in rows if r["dtype"] == "bfloat16"]

@@ -1,7 +1,9 @@
 """Shared timing harness for the microbenchmarks.
 
-Timing: CUDA events around each call, L2 flushed before each call (a 256 MiB memset), a
-warm-up, then the median (and p10/p90) of many calls. `time_graph` also times calls
+Timing: CUDA events around each call, L2 flushed before each call (a 256 MiB memset) and
+a GPU sleep queued before the start event so host overhead stays outside the span; a
+warm-up, then the median (and p10/p90) of many calls. `time_eager` gives the host-side
+cost per eager call (Python + launch) for small shapes. `time_graph` also times calls
 captured in one CUDA graph (launch gaps amortised, L2 not flushed) for small shapes.
 Ceiling: a large device-to-device copy measured in the same run (bytes read + written).
 Results: JSON with GPU name, date, commit and software versions; a PNG plot per kernel.
@@ -33,6 +35,7 @@ def _commit() -> str:
 
 
 _FLUSH: torch.Tensor | None = None
+_SLEEP_CYCLES = 400_000  # ~200 us at 2 GHz
 
 
 def flush_l2() -> None:
@@ -63,12 +66,28 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 5, reps: int = 30, flush:
     for i in range(reps):
         if flush:
             flush_l2()
+        # Keep the GPU busy while the host enqueues fn(): the span is GPU time, not Python.
+        torch.cuda._sleep(_SLEEP_CYCLES)
         starts[i].record()
         fn()
         ends[i].record()
     torch.cuda.synchronize()
     ts = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
     return Timing(statistics.median(ts), ts[len(ts) // 10], ts[(len(ts) * 9) // 10])
+
+
+def time_eager(fn: Callable[[], object], *, calls: int = 200) -> float:
+    """Host wall time per call of back-to-back eager calls (launch + Python overhead), in us."""
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
 
 
 def time_graph(fn: Callable[[], object], *, calls: int = 20, reps: int = 20) -> Timing:

@@ -1,10 +1,12 @@
 // Per-row group cast to e4m3 with one scale per group (per-token FP8 and MXFP8).
 //
-// Layout of work: a "slot" is 8 consecutive values handled by one thread with one
-// 16-byte (bf16) or two 16-byte (fp32) loads. A group of GROUP values is GROUP/8
+// Layout of work: a "slot" is 8 consecutive values of a row, handled by one thread with
+// one 16-byte (bf16) or two 16-byte (fp32) loads. A group of GROUP values is GROUP/8
 // consecutive lanes of one warp; its amax is reduced with xor-shuffles inside that lane
-// span, lane 0 of the span writes the scale. Each thread handles kUnroll slots spaced one
-// block apart, all loads issued before any math, to keep enough bytes in flight.
+// span and lane 0 of the span writes the scale. Grid: x = blocks of kRows rows, y = tiles
+// of kThreads slots of a row. Each thread handles the same slot in kRows rows, all loads
+// issued before any math, so several 16-byte loads are in flight per thread and no index
+// needs a run-time division.
 #include "cast/cast.h"
 #include "common/cuda_utils.h"
 #include "common/fp8_utils.cuh"
@@ -12,39 +14,34 @@
 namespace deepfuse {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
+constexpr int kThreads = 128;
+constexpr int kRows = 4;
 
 template <typename T, int GROUP, ScaleKind KIND>
 __global__ void __launch_bounds__(kThreads)
 fp8_group_cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ q, void* __restrict__ scale,
                       int64_t M, int64_t K, int64_t x_ld, int64_t G, int64_t scale_ld) {
   constexpr int kLanes = GROUP / 8;  // threads per group
-  const int64_t slots_per_row = G * kLanes;
-  const int64_t total = M * slots_per_row;
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x;
+  const int64_t slot = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x;
+  const int64_t col = (slot / kLanes) * GROUP + (slot % kLanes) * 8;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const bool col_ok = col < K;
 
-  float v[kUnroll][8];
-  int64_t row[kUnroll], col[kUnroll];
-  bool ok[kUnroll];
+  float v[kRows][8];
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t slot = base + static_cast<int64_t>(u) * kThreads;
-    row[u] = slot / slots_per_row;
-    const int64_t s = slot - row[u] * slots_per_row;
-    col[u] = (s / kLanes) * GROUP + (s % kLanes) * 8;
-    ok[u] = slot < total && col[u] < K;
-    if (ok[u]) {
-      load8(x + row[u] * x_ld + col[u], v[u]);
+  for (int u = 0; u < kRows; ++u) {
+    if (col_ok && row0 + u < M) {
+      load8(x + (row0 + u) * x_ld + col, v[u]);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[u][i] = 0.0f;
     }
   }
 
-  const int lane = threadIdx.x & 31;
+  const bool leader = (threadIdx.x & (kLanes - 1)) == 0;
+  const int64_t g = col / GROUP;
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kRows; ++u) {
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[u][i]));
@@ -52,29 +49,28 @@ fp8_group_cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ q, void* __
     for (int off = kLanes / 2; off > 0; off >>= 1)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
 
-    float out[8];
-    float s_val;
+    float s_val = 0.0f, mul;
     int e = 0;
     if constexpr (KIND == ScaleKind::kFp32) {
       s_val = fp32_scale(amax);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = v[u][i] / s_val;  // IEEE division, as the reference
+      mul = 1.0f / s_val;  // IEEE reciprocal, as the reference
     } else {
       e = ue8m0_exponent(amax);
-      const float inv = exp2i(-e);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = v[u][i] * inv;
+      mul = exp2i(-e);
     }
-    if (!ok[u]) continue;
-    *reinterpret_cast<uint2*>(q + row[u] * K + col[u]) = to_e4m3x8(out);
-    if ((lane & (kLanes - 1)) == 0) {
-      const int64_t g = col[u] / GROUP;
+    float out[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = v[u][i] * mul;
+    const int64_t row = row0 + u;
+    if (!col_ok || row >= M) continue;
+    *reinterpret_cast<uint2*>(q + row * K + col) = to_e4m3x8(out);
+    if (leader) {
       if constexpr (KIND == ScaleKind::kFp32) {
-        static_cast<float*>(scale)[row[u] * G + g] = s_val;
+        static_cast<float*>(scale)[row * G + g] = s_val;
       } else if constexpr (KIND == ScaleKind::kUe8m0) {
-        static_cast<uint8_t*>(scale)[row[u] * G + g] = static_cast<uint8_t>(e + 127);
+        static_cast<uint8_t*>(scale)[row * G + g] = static_cast<uint8_t>(e + 127);
       } else {
-        static_cast<uint8_t*>(scale)[((g >> 2) * scale_ld + row[u]) * 4 + (g & 3)] =
+        static_cast<uint8_t*>(scale)[((g >> 2) * scale_ld + row) * 4 + (g & 3)] =
             static_cast<uint8_t>(e + 127);
       }
     }
@@ -85,10 +81,12 @@ template <typename T, int GROUP>
 void launch_kind(const T* x, uint8_t* q, void* scale, ScaleKind kind, int64_t M, int64_t K,
                  int64_t x_ld, int64_t scale_ld, cudaStream_t stream) {
   const int64_t G = ceil_div<int64_t>(K, GROUP);
-  const int64_t total = M * G * (GROUP / 8);
-  const int64_t blocks = ceil_div<int64_t>(total, int64_t(kThreads) * kUnroll);
-  if (blocks == 0) return;
-  if (blocks > 0x7fffffff) throw std::runtime_error("deepfuse: fp8_group_cast: input too large");
+  const int64_t tiles = ceil_div<int64_t>(G * (GROUP / 8), kThreads);
+  const int64_t row_blocks = ceil_div<int64_t>(M, kRows);
+  if (row_blocks == 0 || tiles == 0) return;
+  if (row_blocks > 0x7fffffff || tiles > 65535)
+    throw std::runtime_error("deepfuse: fp8_group_cast: input too large for one launch");
+  const dim3 blocks(static_cast<unsigned>(row_blocks), static_cast<unsigned>(tiles));
   switch (kind) {
     case ScaleKind::kFp32:
       fp8_group_cast_kernel<T, GROUP, ScaleKind::kFp32>

@@ -2,7 +2,8 @@
 blocks (bn x bk), plus their dequantisations.
 
 Semantics (the references below define them; the CUDA kernels match them bit for bit):
-- scale_fmt "fp32": s = max(amax / 448, 2^-126) in fp32; q = e4m3(clamp(x / s, +-448)).
+- scale_fmt "fp32": s = max(amax / 448, 2^-126) in fp32; q = e4m3(clamp(x * r, +-448)) with
+  r = 1 / s rounded to fp32 (a multiply per value, as FP8 GEMM libraries do, not a division).
 - scale_fmt "ue8m0": s = 2^e, the smallest power of two with amax / s <= 448, e clamped to
   [-127, 127] and stored as the byte e + 127; q = e4m3(clamp(x * 2^-e, +-448)).
 - amax is taken over the finite values of the group: +-inf saturate to +-448 * s, NaN stays
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from deepfuse import _ext
+from deepfuse.ops._registry import op
 from deepfuse.ops._checks import check_aligned, check_choice, check_int, check_tensor
 
 E4M3_MAX = 448.0
@@ -57,7 +59,7 @@ def _scale_codes(amax: torch.Tensor, scale_fmt: str):
 
 def _quantise(xf: torch.Tensor, info: torch.Tensor, scale_fmt: str) -> torch.Tensor:
     if scale_fmt == "fp32":
-        y = xf / info
+        y = xf * (1.0 / info)
     else:
         y = xf * torch.exp2(-info.float())
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(_FP8)
@@ -127,13 +129,21 @@ def _group_cast_outputs(x: torch.Tensor, group: int, scale_fmt: str):
     return q, s
 
 
-@torch.library.custom_op("deepfuse::fp8_group_cast", mutates_args=())
+@op("fp8_group_cast", "(Tensor x, int group, str scale_fmt) -> (Tensor, Tensor)")
 def _fp8_group_cast(x: torch.Tensor, group: int, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_group_cast_ref(x, group, scale_fmt)
 
 
+def _check_rows_cuda(op: str, x: torch.Tensor) -> None:
+    # Pointer checks live in the CUDA path: it always sees real tensors (eager or compiled).
+    check_aligned(op, "x", x)
+    if x.shape[0] > 1 and (x.stride(0) * x.element_size()) % 16 != 0:
+        raise ValueError(f"deepfuse: {op}: x row stride ({x.stride(0)} elements) must be a multiple of 16 bytes")
+
+
 @_fp8_group_cast.register_kernel("cuda")
 def _(x, group, scale_fmt):
+    _check_rows_cuda("fp8_group_cast", x)
     q, s = _group_cast_outputs(x, group, scale_fmt)
     M, K = x.shape
     if M > 0:
@@ -149,7 +159,7 @@ def _(x, group, scale_fmt):
     return _group_cast_outputs(x, group, scale_fmt)
 
 
-@torch.library.custom_op("deepfuse::fp8_block_cast", mutates_args=())
+@op("fp8_block_cast", "(Tensor w, int block_n, int block_k, str scale_fmt) -> (Tensor, Tensor)")
 def _fp8_block_cast(w: torch.Tensor, block_n: int, block_k: int, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_block_cast_ref(w, block_n, block_k, scale_fmt)
 
@@ -163,6 +173,7 @@ def _block_cast_outputs(w: torch.Tensor, block_n: int, block_k: int, scale_fmt: 
 
 @_fp8_block_cast.register_kernel("cuda")
 def _(w, block_n, block_k, scale_fmt):
+    check_aligned("fp8_block_cast", "w", w)
     q, s = _block_cast_outputs(w, block_n, block_k, scale_fmt)
     N, K = w.shape
     if N > 0 and K > 0:
@@ -183,10 +194,6 @@ def _check_rows(op: str, x: torch.Tensor) -> None:
     K = x.shape[1]
     if K % 8 != 0:
         raise ValueError(f"deepfuse: {op}: x.shape[1] (K = {K}) must be a multiple of 8 (16-byte rows)")
-    if x.is_cuda:
-        check_aligned(op, "x", x)
-        if x.shape[0] > 1 and (x.stride(0) * x.element_size()) % 16 != 0:
-            raise ValueError(f"deepfuse: {op}: x row stride ({x.stride(0)} elements) must be a multiple of 16 bytes")
 
 
 def fp8_per_token_cast(x: torch.Tensor, group: int = 128, *, scale_fmt: str = "fp32"):
@@ -228,7 +235,6 @@ def fp8_block_cast(w: torch.Tensor, block: tuple[int, int] = (128, 128), *, scal
             raise ValueError(f"deepfuse: {op}: block must be (128, 128) for CUDA tensors, got {(bn, bk)}")
         if w.shape[1] % 8 != 0:
             raise ValueError(f"deepfuse: {op}: w.shape[1] (K = {w.shape[1]}) must be a multiple of 8 on CUDA")
-        check_aligned(op, "w", w)
     return torch.ops.deepfuse.fp8_block_cast(w, bn, bk, scale_fmt)
 
 

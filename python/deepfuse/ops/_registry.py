@@ -1,0 +1,47 @@
+"""Registers deepfuse ops with the PyTorch dispatcher.
+
+`@op(name, schema)` defines `deepfuse::name` with an explicit schema, takes the decorated
+function (the pure-torch reference) as the CPU implementation, and returns an object with
+`register_kernel("cuda")` and `register_fake` decorators, like torch.library.custom_op.
+Registering through torch.library.Library directly costs a few microseconds less per call
+than custom_op (which wraps every call in Python), and the schema is stated, not inferred.
+Mutated arguments are written `Tensor(a!) name` in the schema.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+LIB = torch.library.Library("deepfuse", "DEF")
+
+
+class Op:
+    def __init__(self, name: str, schema: str, cpu: Callable):
+        LIB.define(name + schema)
+        LIB.impl(name, cpu, "CPU")
+        self.name = name
+        self.qualname = f"deepfuse::{name}"
+        self.reference = cpu
+
+    def register_kernel(self, device: str):
+        key = {"cuda": "CUDA", "cpu": "CPU"}[device]
+
+        def deco(fn: Callable) -> Callable:
+            LIB.impl(self.name, fn, key)
+            return fn
+
+        return deco
+
+    def register_fake(self, fn: Callable) -> Callable:
+        torch.library.register_fake(self.qualname, fn, lib=LIB)
+        return fn
+
+
+def op(name: str, schema: str) -> Callable[[Callable], Op]:
+    """Decorator: define deepfuse::<name><schema> with the function as its CPU path."""
+
+    def deco(fn: Callable) -> Op:
+        return Op(name, schema, fn)
+
+    return deco
