@@ -10,6 +10,7 @@ from deepfuse.ops.cast import (
     pack_ue8m0,
     unpack_ue8m0,
 )
+from deepfuse.ops.topk import topk
 
 __all__ = [
     "fp8_per_token_cast",
@@ -20,4 +21,5 @@ __all__ = [
     "fp8_block_dequant",
     "pack_ue8m0",
     "unpack_ue8m0",
+    "topk",
 ]

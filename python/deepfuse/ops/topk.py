@@ -1,0 +1,160 @@
+"""Row-wise top-k: the DSA indexer's selection and the sampler's vocabulary top-k.
+
+Semantics (the reference below defines them; the CUDA kernel satisfies them):
+- x: [B, N] bf16 / fp16 / fp32, last dim contiguous. Row b considers x[b, :L_b] with
+  L_b = clamp(lengths[b], 0, N) (L_b = N without lengths). k in [1, 4096]; k > N is allowed.
+- Order: NaN (any sign or payload) is larger than +inf; otherwise the float order, with
+  -0.0 and +0.0 equal. So NaNs are selected first, as torch.topk does.
+- Each row gets min(k, L_b) selected entries in slots [0, min(k, L_b)); slots beyond are
+  padding: index -1, value -inf.
+- Ties: any choice among equal values is valid (the kernel is not deterministic in which
+  tied index it keeps, nor in the order of an unsorted row). Results always satisfy:
+  indices unique and in [0, L_b), min(selected) >= max(unselected), values == x[b, index].
+- sorted=True: the selected values of each row in descending order (NaN first); the
+  padding stays at the end. sorted=False: any order.
+- Values are returned bit-exact from x (NaN payloads included).
+"""
+from __future__ import annotations
+
+import torch
+
+from deepfuse import _ext
+from deepfuse.ops._checks import check_int, check_tensor
+from deepfuse.ops._registry import op
+
+MAX_K = 4096
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_DMAX = torch.finfo(torch.float64).max
+
+
+# ----------------------------------------------------------------------------- reference
+def topk_ref(x: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *,
+             index_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [B, k] x.dtype, indices [B, k] index_dtype), sorted descending, padded."""
+    B, N = x.shape
+    W = max(N, k)
+    # Total order in float64 (exact for every input dtype): NaN -> +inf, +inf -> DBL_MAX,
+    # -inf -> -DBL_MAX; positions past the row's length (and past N) -> -inf, below all.
+    xd = x.double()
+    xd = torch.where(torch.isnan(xd), torch.full_like(xd, float("inf")),
+                     xd.clamp(-_DMAX, _DMAX))
+    keys = torch.full((B, W), float("-inf"), dtype=torch.float64, device=x.device)
+    keys[:, :N] = xd
+    if lengths is not None:
+        L = lengths.to(torch.int64).clamp(0, N)
+        cols = torch.arange(W, device=x.device)
+        keys = keys.masked_fill(cols[None, :] >= L[:, None], float("-inf"))
+    else:
+        L = torch.full((B,), N, dtype=torch.int64, device=x.device)
+    _, idx = keys.topk(k, dim=1, largest=True, sorted=True)
+    pad = torch.arange(k, device=x.device)[None, :] >= torch.clamp(L, max=k)[:, None]
+    idx = idx.masked_fill(pad, N)  # N: the -inf column appended below
+    xp = torch.cat([x, torch.full((B, 1), float("-inf"), dtype=x.dtype, device=x.device)], dim=1)
+    values = xp.gather(1, idx)
+    idx = idx.masked_fill(pad, -1).to(index_dtype)
+    return values, idx
+
+
+# ----------------------------------------------------------------------------- custom ops
+def _outputs(x: torch.Tensor, k: int, return_values: bool, index_dtype: torch.dtype):
+    B = x.shape[0]
+    values = torch.empty(B, k if return_values else 0, dtype=x.dtype, device=x.device)
+    return values, torch.empty(B, k, dtype=index_dtype, device=x.device)
+
+
+@op("topk", "(Tensor x, int k, Tensor? lengths, bool sorted, bool return_values, "
+            "ScalarType index_dtype) -> (Tensor, Tensor)")
+def _topk(x, k, lengths, sorted, return_values, index_dtype):
+    v, i = topk_ref(x, k, lengths, index_dtype=index_dtype)
+    return (v if return_values else v[:, :0].contiguous()), i
+
+
+@_topk.register_kernel("cuda")
+def _(x, k, lengths, sorted, return_values, index_dtype):
+    values, indices = _outputs(x, k, return_values, index_dtype)
+    _launch(x, k, lengths, sorted, indices, values if return_values else None)
+    return values, indices
+
+
+@_topk.register_fake
+def _(x, k, lengths, sorted, return_values, index_dtype):
+    return _outputs(x, k, return_values, index_dtype)
+
+
+@op("topk_out", "(Tensor x, int k, Tensor? lengths, bool sorted, Tensor(a!) indices, "
+                "Tensor(b!)? values) -> ()")
+def _topk_out(x, k, lengths, sorted, indices, values):
+    v, i = topk_ref(x, k, lengths, index_dtype=indices.dtype)
+    indices.copy_(i)
+    if values is not None:
+        values.copy_(v)
+
+
+@_topk_out.register_kernel("cuda")
+def _(x, k, lengths, sorted, indices, values):
+    _launch(x, k, lengths, sorted, indices, values)
+
+
+@_topk_out.register_fake
+def _(x, k, lengths, sorted, indices, values):
+    return None
+
+
+def _launch(x, k, lengths, sorted, indices, values):
+    B, N = x.shape
+    if B == 0:
+        return
+    C = _ext.ext(x.device)
+    C.topk(x.data_ptr(), _DTYPES.index(x.dtype), B, N, x.stride(0) if B > 1 else N, k,
+           lengths.data_ptr() if lengths is not None else 0,
+           values.data_ptr() if values is not None else 0,
+           indices.data_ptr(), indices.dtype == torch.int64, bool(sorted), _ext.stream(x.device))
+
+
+# ----------------------------------------------------------------------------- public API
+def topk(x: torch.Tensor, k: int, *, lengths: torch.Tensor | None = None, sorted: bool = False,
+         return_values: bool = True, index_dtype: torch.dtype = torch.int32, out=None):
+    """Top-k of each row of x [B, N] (bf16 / fp16 / fp32). See the module docstring.
+
+    lengths: optional int32 [B]; row b considers x[b, :lengths[b]] (clamped to [0, N]).
+    Rows with fewer than k entries are padded with index -1 and value -inf.
+    Returns (values [B, k] x.dtype, indices [B, k] index_dtype), or only indices when
+    return_values=False. out: a preallocated index buffer [B, k] (index_dtype), or a pair
+    (values, indices) of buffers (values None when return_values=False); the buffers are
+    filled and returned (for CUDA graphs)."""
+    name = "topk"
+    check_tensor(name, "x", x, dtypes=_DTYPES, ndim=2, last_dim_contiguous=True)
+    check_int(name, "k", k, lo=1, hi=MAX_K)
+    if not isinstance(sorted, bool):
+        raise TypeError(f"deepfuse: {name}: sorted must be a bool, got {type(sorted).__name__}")
+    if not isinstance(return_values, bool):
+        raise TypeError(f"deepfuse: {name}: return_values must be a bool, got {type(return_values).__name__}")
+    if index_dtype not in _INDEX_DTYPES:
+        raise TypeError(f"deepfuse: {name}: index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
+    B = x.shape[0]
+    if x.stride(0) < 0:
+        raise ValueError(f"deepfuse: {name}: x must have a non-negative row stride (strides {x.stride()})")
+    if lengths is not None:
+        check_tensor(name, "lengths", lengths, dtypes=(torch.int32,), shape=(B,), device=x.device,
+                     contiguous=True)
+    if out is None:
+        v, i = torch.ops.deepfuse.topk(x, k, lengths, sorted, return_values, index_dtype)
+        return (v, i) if return_values else i
+    if isinstance(out, torch.Tensor):
+        values, indices = None, out
+    elif isinstance(out, (tuple, list)) and len(out) == 2:
+        values, indices = out
+    else:
+        raise TypeError(f"deepfuse: {name}: out must be an index tensor or a pair (values, indices)")
+    check_tensor(name, "out indices", indices, dtypes=(index_dtype,), shape=(B, k), device=x.device,
+                 contiguous=True)
+    if values is not None:
+        if not return_values:
+            raise ValueError(f"deepfuse: {name}: out has a values buffer but return_values=False")
+        check_tensor(name, "out values", values, dtypes=(x.dtype,), shape=(B, k), device=x.device,
+                     contiguous=True)
+    elif return_values:
+        values = torch.empty(B, k, dtype=x.dtype, device=x.device)
+    torch.ops.deepfuse.topk_out(x, k, lengths, sorted, indices, values)
+    return (values, indices) if return_values else indices
