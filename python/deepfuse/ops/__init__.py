@@ -12,6 +12,15 @@ from deepfuse.ops.cast import (
 )
 from deepfuse.ops.topk import topk
 
+from deepfuse.ops.attention import sparse_attention
+from deepfuse.ops.compressor import compress_pool
+from deepfuse.ops.indexer import indexer_scores
+from deepfuse.ops.linear import grouped_linear, mxfp4_cast, mxfp4_dequant, quant_linear
+from deepfuse.ops.mhc import hc_head, hc_post, hc_pre
+from deepfuse.ops.moe import moe_experts, moe_route, swiglu
+from deepfuse.ops.norm import rms_norm
+from deepfuse.ops.rope import rope
+
 __all__ = [
     "fp8_per_token_cast",
     "fp8_per_token_dequant",
@@ -22,4 +31,20 @@ __all__ = [
     "pack_ue8m0",
     "unpack_ue8m0",
     "topk",
+    # model-graph ops (references; kernels drop in behind the same names)
+    "rms_norm",
+    "rope",
+    "hc_pre",
+    "hc_post",
+    "hc_head",
+    "sparse_attention",
+    "indexer_scores",
+    "compress_pool",
+    "quant_linear",
+    "grouped_linear",
+    "mxfp4_cast",
+    "mxfp4_dequant",
+    "moe_route",
+    "moe_experts",
+    "swiglu",
 ]

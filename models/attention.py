@@ -1,0 +1,106 @@
+"""V4 attention: one shared K = V head over a sliding window plus compressed entries.
+
+q  = wq_b(q_norm(wq_a x)) viewed [H, D], each head RMS-normalised (no weight), RoPE on the
+     last rope_head_dim dims;
+kv = RoPE(kv_norm(wkv x)), one D-dim row per position, both key and value;
+keys of the query at position p: the window positions (p - W, p] plus, on HCA layers, every
+compressed entry i < (p + 1) // r and, on CSA layers, the indexer's top-k of those;
+core: deepfuse.ops.sparse_attention with the per-head sink (scale D^-0.5);
+out: inverse RoPE on o's last rope dims, then the grouped projection wo_a (o_groups blocks)
+     and wo_b. Sliding-window layers use the main RoPE, CSA/HCA layers the compress RoPE
+     (YaRN) everywhere, as the transformers oracle does.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from deepfuse import ops
+
+from .cache import LayerCache
+from .compressor import Compressor
+from .config import CSA, SWA, V4Config
+from .indexer import Indexer
+from .linear import Linear, add_slot
+from .norm import RMSNorm
+from .rope import RopeTable
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: V4Config, layer_type: str):
+        super().__init__()
+        self.cfg, self.layer_type = cfg, layer_type
+        d, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.window = H, D, cfg.sliding_window
+        self.ratio = cfg.compress_ratio(layer_type)
+        self.wq_a = Linear(d, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * D)
+        self.wkv = Linear(d, D)
+        self.kv_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d)
+        add_slot(self, "attn_sink", (H,), "fp32")
+        self.compressor = Compressor(cfg, self.ratio, D, overlap=layer_type == CSA) if self.ratio else None
+        self.indexer = Indexer(cfg, self.ratio) if layer_type == CSA else None
+
+    @property
+    def rope_kind(self) -> str:
+        return "main" if self.layer_type == SWA else "compress"
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, p0: int, rope: RopeTable,
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """x [B, T, d] (already attn_norm-ed) at positions p0 .. p0+T-1 -> [B, T, d]."""
+        B, T, _ = x.shape
+        H, D, W, eps = self.n_heads, self.head_dim, self.window, self.cfg.rms_norm_eps
+        cos, sin = rope(positions)
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+
+        qr = self.q_norm(self.wq_a(x))
+        q = ops.rms_norm(self.wq_b(qr).unflatten(-1, (H, D)), None, eps)
+        q = ops.rope(q, cos, sin)
+        kv = ops.rope(self.kv_norm(self.wkv(x)), cos, sin)
+
+        # window rows: [previous rows of the cache | this step's rows]
+        prev = cache.window() if cache is not None else None
+        P = 0 if prev is None else prev.shape[1]
+        rows = kv if prev is None else torch.cat([prev, kv], dim=1)
+        if cache is not None:
+            cache.append_window(kv)
+        t = torch.arange(T, device=x.device).unsqueeze(1)
+        w = torch.arange(W, device=x.device).unsqueeze(0)
+        win = t + P - W + 1 + w  # row of position p - W + 1 + w
+        idx = torch.where(win >= 0, win, torch.full_like(win, -1)).unsqueeze(0).expand(B, -1, -1)
+
+        if self.compressor is not None:
+            state = cache.compressor_state("attn") if cache is not None else None
+            new, state = self.compressor(x, p0, state, rope)
+            if cache is not None:
+                cache.set_compressor_state("attn", state)
+                if new.shape[1]:
+                    cache.append_compressed("attn", new)
+                comp = cache.compressed("attn")
+            else:
+                comp = new
+            C = 0 if comp is None else comp.shape[1]
+            if C:
+                off = rows.shape[1]
+                if self.indexer is not None:
+                    sel = self.indexer(x, qr, positions, p0, cache, rope)
+                    sel = torch.where(sel >= 0, sel + off, sel)
+                else:
+                    i = torch.arange(C, device=x.device).unsqueeze(0)
+                    vis = i < ((positions + 1) // self.ratio).unsqueeze(1)
+                    sel = torch.where(vis, i + off, torch.full_like(i, -1)).unsqueeze(0).expand(B, -1, -1)
+                rows = torch.cat([rows, comp], dim=1)
+                idx = torch.cat([idx, sel], dim=-1)
+            elif self.indexer is not None:
+                self.indexer(x, qr, positions, p0, cache, rope)  # advances the indexer's compressor
+
+        o = ops.sparse_attention(q, rows, idx, self.attn_sink, D ** -0.5)
+        o = ops.rope(o, cos, sin, inverse=True)
+        G = self.cfg.o_groups
+        o = ops.grouped_linear(o.reshape(B, T, G, H * D // G), self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt)
+        return self.wo_b(o.flatten(2))

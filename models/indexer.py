@@ -1,0 +1,70 @@
+"""Lightning indexer (CSA layers): picks, per query, the top index_topk compressed entries.
+
+Keys: a second overlapping 4:1 compressor at index_head_dim. Queries: wq_b(qr) viewed as
+[index_n_heads, index_head_dim] with compress RoPE at the query position. Weights:
+weights_proj(x) * n_heads^-0.5; scores: deepfuse.ops.indexer_scores with scale
+head_dim^-0.5. Entry i is visible to the query at position p iff i < (p + 1) // ratio; the
+top min(index_topk, C) of the visible scores are kept and slots that point at invisible
+entries become -1 (as the transformers oracle does).
+
+The oracle applies no Hadamard rotation or FP8/FP4 rounding to the indexer's q/k (DeepSeek's
+reference does); we follow the oracle.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from deepfuse import ops
+
+from .cache import LayerCache
+from .compressor import Compressor
+from .config import V4Config
+from .linear import Linear
+from .rope import RopeTable
+
+
+def select_topk(scores: torch.Tensor, k: int, lengths: torch.Tensor) -> torch.Tensor:
+    """Indices [..., k] of the k largest scores of each row; invalid slots (beyond a row's
+    `lengths` visible entries) are -1. One small function so the top-k kernel can drop in."""
+    C = scores.shape[-1]
+    vis = torch.arange(C, device=scores.device) < lengths.unsqueeze(-1)
+    masked = scores.masked_fill(~vis, float("-inf"))
+    idx = torch.topk(masked, k, dim=-1, sorted=False).indices
+    return torch.where(idx < lengths.unsqueeze(-1), idx, torch.full_like(idx, -1))
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: V4Config, ratio: int):
+        super().__init__()
+        self.cfg, self.ratio = cfg, ratio
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
+        self.compressor = Compressor(cfg, ratio, self.head_dim, overlap=True)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, p0: int,
+                cache: Optional[LayerCache], rope: RopeTable) -> torch.Tensor:
+        """-> selected entry indices [B, T, k] (int64, -1 = empty slot)."""
+        B, T, _ = x.shape
+        state = cache.compressor_state("index") if cache is not None else None
+        rows, state = self.compressor(x, p0, state, rope)
+        if cache is not None:
+            cache.set_compressor_state("index", state)
+            if rows.shape[1]:
+                cache.append_compressed("index", rows)
+            keys = cache.compressed("index")
+        else:
+            keys = rows
+        C = 0 if keys is None else keys.shape[1]
+        if C == 0:
+            return torch.empty(B, T, 0, dtype=torch.long, device=x.device)
+        cos, sin = rope(positions)
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = ops.rope(q, cos.expand(B, -1, -1), sin.expand(B, -1, -1))
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        scores = ops.indexer_scores(q, keys, w, self.head_dim ** -0.5)
+        visible = ((positions + 1) // self.ratio).expand(B, -1)
+        return select_topk(scores, min(self.topk, C), visible)

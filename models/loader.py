@@ -1,0 +1,288 @@
+"""Load a V4 checkpoint: config.json plus safetensors shards in the official key naming.
+
+Accepted key spellings (canonicalised before matching):
+- with or without a leading "model." (transformers' save_pretrained keeps it on a few keys);
+- transformers' save_pretrained spellings: embed_tokens / lm_head / hc_head.hc_{fn,base,scale}
+  and <layer>.attn.norm.weight for the official <layer>.attn.kv_norm.weight;
+- block-scale tensors named <linear>.scale (official) or <linear>.weight_scale_inv.
+Weight formats, told apart by dtype: bf16/fp16/fp32 (cast to `dtype`), FP8 e4m3 with a
+[ceil(N/128), ceil(K/128)] scale (fp32 or UE8M0 float8_e8m0fnu/uint8) and, for the routed
+experts, MXFP4: float4_e2m1fn_x2 (or int8/uint8) [N, K/2] packed e2m1 (low nibble = even
+column) with a [N, K/32] UE8M0 scale. Norms, mHC parameters, sinks, ape and router
+weights/biases are kept in fp32. Shards are memory-mapped and read one tensor at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .config import V4Config
+from .linear import Linear, slots
+from .model import V4Model
+from .moe import Experts
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_PACKED = tuple(t for t in (getattr(torch, "float4_e2m1fn_x2", None), torch.int8, torch.uint8) if t is not None)
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_ALIASES = {
+    "embed_tokens.weight": "embed.weight",
+    "lm_head.weight": "head.weight",
+    "hc_head.hc_fn": "hc_head_fn",
+    "hc_head.hc_base": "hc_head_base",
+    "hc_head.hc_scale": "hc_head_scale",
+}
+_KV_NORM = re.compile(r"^((?:layers|mtp)\.\d+\.attn)\.norm\.weight$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def canonical_key(key: str) -> str:
+    if key.startswith("model."):
+        key = key[len("model."):]
+    key = _ALIASES.get(key, key)
+    key = _KV_NORM.sub(r"\1.kv_norm.weight", key)
+    if key.endswith(".weight_scale_inv"):
+        key = key[: -len(".weight_scale_inv")] + ".scale"
+    return key
+
+
+def shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"deepfuse: {index} names shards that do not exist: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"deepfuse: no *.safetensors files in {path}")
+    return files
+
+
+class _Reader:
+    """Memory-mapped access to every tensor of the shards, by canonical key."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self.handles, self.where = [], {}
+        for f in files:
+            h = safe_open(str(f), framework="pt", device="cpu")
+            self.handles.append(h)
+            for k in h.keys():
+                ck = canonical_key(k)
+                if ck in self.where:
+                    other = self.where[ck]
+                    raise CheckpointError(f"deepfuse: tensor {ck!r} appears twice: as {other[1]!r} in "
+                                          f"{other[2].name} and as {k!r} in {f.name}")
+                self.where[ck] = (h, k, f)
+        self.used: set[str] = set()
+
+    def __contains__(self, key):
+        return key in self.where
+
+    def get(self, key: str) -> torch.Tensor:
+        h, k, _ = self.where[key]
+        self.used.add(key)
+        return h.get_tensor(k)
+
+    def origin(self, key: str) -> str:
+        _, k, f = self.where[key]
+        return f"{k!r} in {f.name}"
+
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in {w[2] for w in self.where.values()})
+
+
+def _scale(t: torch.Tensor) -> torch.Tensor:
+    if _E8M0 is not None and t.dtype == _E8M0:
+        return t.view(torch.uint8)
+    if t.dtype == torch.uint8:
+        return t
+    return t.float()
+
+
+class _Loader:
+    def __init__(self, reader: _Reader, device, dtype, dequantize: bool, bar):
+        self.r, self.device, self.dtype, self.dequantize, self.bar = reader, device, dtype, dequantize, bar
+        self.missing: list[str] = []
+
+    def tick(self, n=1):
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def fetch(self, key: str) -> Optional[torch.Tensor]:
+        if key not in self.r:
+            self.missing.append(key)
+            return None
+        t = self.r.get(key)
+        self.tick()
+        return t
+
+    def shape_error(self, key, want, got, what="shape"):
+        return CheckpointError(f"deepfuse: tensor {key!r} ({self.r.origin(key)}) has {what} {got}; expected {want}")
+
+    def slot(self, key: str, shape, kind: str) -> Optional[torch.Tensor]:
+        t = self.fetch(key)
+        if t is None:
+            return None
+        if tuple(t.shape) != tuple(shape):
+            raise self.shape_error(key, list(shape), list(t.shape))
+        if kind == "index":
+            if t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise self.shape_error(key, "an integer dtype", t.dtype, "dtype")
+            return t.to(self.device).long()
+        if t.dtype not in _FLOATS:
+            raise self.shape_error(key, "bf16/fp16/fp32", t.dtype, "dtype")
+        return t.to(self.device).to(torch.float32 if kind == "fp32" else self.dtype)
+
+    def weight(self, prefix: str, N: int, K: int, dense_dtype=None):
+        """-> (weight, scale, fmt) of the linear `prefix` with logical shape [N, K]."""
+        wk, sk = prefix + ".weight", prefix + ".scale"
+        w = self.fetch(wk)
+        if w is None:
+            return None
+        dense_dtype = dense_dtype or self.dtype
+        if w.dtype in _FLOATS:
+            if tuple(w.shape) != (N, K):
+                raise self.shape_error(wk, [N, K], list(w.shape))
+            return w.to(self.device).to(dense_dtype), None, "dense"
+        if w.dtype == torch.float8_e4m3fn:
+            fmt, want, grid = "fp8", (N, K), (-(-N // 128), -(-K // 128))
+        elif w.dtype in _PACKED:
+            fmt, want, grid = "mxfp4", (N, K // 2), (N, K // 32)
+            if K % 32:
+                raise self.shape_error(wk, f"a dense dtype (K = {K} is not a multiple of 32)", w.dtype, "dtype")
+        else:
+            raise self.shape_error(wk, "bf16/fp16/fp32, float8_e4m3fn or packed e2m1", w.dtype, "dtype")
+        if tuple(w.shape) != want:
+            raise self.shape_error(wk, f"{list(want)} ({fmt})", list(w.shape))
+        if sk not in self.r:
+            raise CheckpointError(f"deepfuse: {fmt} weight {wk!r} ({self.r.origin(wk)}) has no scale tensor {sk!r}")
+        s = self.r.get(sk)
+        self.tick()
+        if tuple(s.shape) != grid:
+            raise self.shape_error(sk, f"{list(grid)} (scales of the {fmt} weight {wk})", list(s.shape))
+        w = w.to(self.device)
+        w = w.view(torch.uint8) if fmt == "mxfp4" else w
+        s = _scale(s.to(self.device))
+        if self.dequantize:
+            from deepfuse.ops.linear import dequant_weight
+
+            return dequant_weight(w, s, fmt, dense_dtype), None, "dense"
+        return w, s, fmt
+
+    def experts(self, prefix: str, mod: Experts):
+        ws, ss, fmts = {}, {}, set()
+        for name in ("w1", "w3", "w2"):
+            N, K = mod.proj_shape(name)
+            parts, scales = [], []
+            for e in range(mod.num_experts):
+                got = self.weight(f"{prefix}.{e}.{name}", N, K)
+                if got is None:
+                    continue
+                w, s, fmt = got
+                parts.append(w)
+                scales.append(s)
+                fmts.add(fmt)
+            if len(parts) != mod.num_experts:
+                continue
+            ws[name] = torch.stack(parts)
+            if parts and scales[0] is not None:
+                ss[name] = torch.stack(scales)
+        if len(fmts) > 1:
+            raise CheckpointError(f"deepfuse: the routed experts of {prefix} mix weight formats {sorted(fmts)}")
+        if len(ws) == 3:
+            mod.set_weights(ws, ss, fmts.pop())
+
+
+def count_tensors(model: nn.Module) -> int:
+    n = 0
+    for _, m in model.named_modules():
+        n += len(slots(m))
+        if isinstance(m, Linear):
+            n += 1
+        elif isinstance(m, Experts):
+            n += 3 * m.num_experts
+    return n
+
+
+def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize: bool = False,
+         progress: Optional[bool] = None, config: Optional[V4Config] = None) -> V4Model:
+    """Build the V4 graph from a checkpoint directory (config.json + *.safetensors).
+
+    device / dtype: where the weights live and the activation dtype (bf16 or fp32; norms,
+    mHC, sinks and router stay fp32). FP8 / MXFP4 weights stay quantised unless
+    dequantize=True. progress: tqdm bar (default: on for checkpoints over 1 GB)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"deepfuse: checkpoint directory {path} does not exist")
+    if dtype not in _FLOATS:
+        raise ValueError(f"deepfuse: dtype must be one of {_FLOATS}, got {dtype}")
+    cfg = config if config is not None else V4Config.from_json(path)
+    device = torch.device(device)
+    reader = _Reader(shard_files(path))
+    if cfg.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in reader.where):
+        # transformers' save_pretrained drops the MTP layers: build the graph without them
+        warnings.warn(f"deepfuse: {path} has no mtp.* tensors; loading without the MTP layer(s)", stacklevel=2)
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0, mtp_layer_types=[])
+    model = V4Model(cfg)
+    model.dtype = dtype
+    if progress is None:
+        progress = reader.nbytes() > (1 << 30)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=count_tensors(model), desc=f"loading {path.name}", unit="tensor")
+    ld = _Loader(reader, device, dtype, dequantize, bar)
+    try:
+        for prefix, mod in model.named_modules():
+            dot = prefix + "." if prefix else ""
+            for name, kind in slots(mod).items():
+                t = ld.slot(dot + name, tuple(getattr(mod, name).shape), kind)
+                if t is not None:
+                    setattr(mod, name, t)
+            if isinstance(mod, Linear):
+                got = ld.weight(prefix, mod.out_features, mod.in_features)
+                if got is not None:
+                    mod.set_weight(*got)
+            elif isinstance(mod, Experts):
+                ld.experts(prefix, mod)
+    finally:
+        if bar is not None:
+            bar.close()
+    if ld.missing:
+        shown = ", ".join(ld.missing[:20]) + (" ..." if len(ld.missing) > 20 else "")
+        raise CheckpointError(f"deepfuse: checkpoint {path} lacks {len(ld.missing)} tensors the config needs: {shown}")
+    for name, t in list(model.named_buffers()):
+        if t.is_meta:
+            raise CheckpointError(f"deepfuse: tensor {name!r} was not loaded")
+    unused = sorted(set(reader.where) - reader.used)
+    if unused:
+        warnings.warn(f"deepfuse: {len(unused)} checkpoint tensors are not used by the graph: "
+                      f"{', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}", stacklevel=2)
+    _check_tid2eid(model)
+    return model.eval()
+
+
+def _check_tid2eid(model: V4Model) -> None:
+    E = model.cfg.n_routed_experts
+    for i, layer in enumerate(model.layers):
+        g = layer.ffn.gate
+        if g.is_hash:
+            t = g.tid2eid
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= E):
+                raise CheckpointError(f"deepfuse: layers.{i}.ffn.gate.tid2eid holds expert ids outside [0, {E})")

@@ -1,0 +1,161 @@
+"""V4 mixture of experts: router, clamped SwiGLU and the routed-expert combine.
+
+Semantics (the references define them), all in fp32:
+- moe_route(logits [T, E], bias [E] | None, k, route_scale, score_func, hash_ids [T, k] | None):
+    g = score(logits)  (sqrtsoftplus: sqrt(softplus(l)); sigmoid; softmax over E)
+    ids = hash_ids if given, else top-k of (g + bias) (the bias only chooses)
+    weights = g[ids] / (sum g[ids] + 1e-20) * route_scale
+  -> (weights fp32 [T, k], ids int64 [T, k]). The transformers oracle normalises for every
+  score function; DeepSeek's reference skips it for softmax. We follow the oracle.
+- swiglu(gate, up, limit) = silu(min(gate, limit)) * clamp(up, -limit, limit); limit <= 0
+  disables the clamps.
+- moe_experts(x [T, d], ids, weights, w1 [E, I, d], w3 [E, I, d], w2 [E, d, I], ...):
+    y_t = sum_j weights[t, j] * W2_e (swiglu(W1_e x_t, W3_e x_t, limit)),  e = ids[t, j]
+  ids outside [0, E) contribute nothing (expert-parallel shards). Weights may be stored as
+  "dense", "fp8" (scales [E, ceil(I/128), ceil(d/128)] etc.) or "mxfp4" (uint8 [E, I, d/2],
+  scales [E, I, d/32]); see deepfuse.ops.linear for the formats.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from deepfuse.ops._checks import check_choice, check_int, check_tensor
+from deepfuse.ops.linear import check_weight, dequant_weight
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    lf = logits.float()
+    if score_func == "sqrtsoftplus":
+        return F.softplus(lf).sqrt()
+    if score_func == "sigmoid":
+        return lf.sigmoid()
+    return lf.softmax(-1)
+
+
+def moe_route_ref(logits, bias, k: int, route_scale: float, score_func: str, hash_ids):
+    g = route_scores(logits, score_func)
+    if hash_ids is not None:
+        ids = hash_ids.to(torch.int64, copy=True)
+    else:
+        sel = g if bias is None else g + bias.float()
+        ids = torch.topk(sel, k, dim=-1, sorted=False).indices
+    w = g.gather(-1, ids)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * route_scale
+    return w, ids
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    g, u = gate.float(), up.float()
+    if limit > 0:
+        g = g.clamp(max=limit)
+        u = u.clamp(-limit, limit)
+    return (F.silu(g) * u).to(gate.dtype)
+
+
+def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt: str, limit: float):
+    T, d = x.shape
+    E = w1.shape[0]
+    out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat).tolist():  # host sync: reference only
+        if e < 0 or e >= E:
+            continue
+        rows, slots = torch.nonzero(ids == e, as_tuple=True)
+        h = x[rows].float()
+        sel = (lambda s: None if s is None else s[e])
+        g = F.linear(h, dequant_weight(w1[e], sel(s1), fmt))
+        u = F.linear(h, dequant_weight(w3[e], sel(s3), fmt))
+        a = swiglu_ref(g, u, limit)
+        y = F.linear(a, dequant_weight(w2[e], sel(s2), fmt)) * weights[rows, slots].float().unsqueeze(-1)
+        out.index_add_(0, rows, y)
+    return out.to(x.dtype)
+
+
+# no kernel yet for the three ops below: the op's body (the reference) also serves CUDA
+# tensors (moe_experts syncs the host there; a grouped-GEMM kernel replaces it).
+@torch.library.custom_op("deepfuse::moe_route", mutates_args=())
+def _moe_route(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, route_scale: float, score_func: str,
+               hash_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe_route_ref(logits, bias, k, route_scale, score_func, hash_ids)
+
+
+@_moe_route.register_fake
+def _(logits, bias, k, route_scale, score_func, hash_ids):
+    T = logits.shape[0]
+    return (logits.new_empty(T, k, dtype=torch.float32), logits.new_empty(T, k, dtype=torch.int64))
+
+
+@torch.library.custom_op("deepfuse::swiglu", mutates_args=())
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return swiglu_ref(gate, up, limit)
+
+
+@_swiglu.register_fake
+def _(gate, up, limit):
+    return torch.empty_like(gate)
+
+
+@torch.library.custom_op("deepfuse::moe_experts", mutates_args=())
+def _moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                 w2: torch.Tensor, s1: Optional[torch.Tensor], s3: Optional[torch.Tensor], s2: Optional[torch.Tensor],
+                 fmt: str, limit: float) -> torch.Tensor:
+    return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit)
+
+
+@_moe_experts.register_fake
+def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit):
+    return torch.empty_like(x)
+
+
+# ----------------------------------------------------------------------------- public API
+def moe_route(logits: torch.Tensor, k: int, *, bias: Optional[torch.Tensor] = None, route_scale: float = 1.0,
+              score_func: str = "sqrtsoftplus", hash_ids: Optional[torch.Tensor] = None):
+    """Router: logits [T, E] -> (weights fp32 [T, k], expert ids int64 [T, k])."""
+    op = "moe_route"
+    check_tensor(op, "logits", logits, dtypes=_FLOATS, ndim=2)
+    T, E = logits.shape
+    check_int(op, "k", k, lo=1, hi=E)
+    check_choice(op, "score_func", score_func, SCORE_FUNCS)
+    if bias is not None:
+        check_tensor(op, "bias", bias, dtypes=_FLOATS, shape=(E,), device=logits.device)
+    if hash_ids is not None:
+        check_tensor(op, "hash_ids", hash_ids, dtypes=(torch.int32, torch.int64), shape=(T, k), device=logits.device)
+    return torch.ops.deepfuse.moe_route(logits, bias, k, float(route_scale), score_func, hash_ids)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) (no clamps when limit <= 0)."""
+    op = "swiglu"
+    check_tensor(op, "gate", gate, dtypes=_FLOATS)
+    check_tensor(op, "up", up, dtypes=(gate.dtype,), shape=tuple(gate.shape), device=gate.device)
+    return torch.ops.deepfuse.swiglu(gate, up, float(limit))
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor, *, s1=None, s3=None, s2=None, fmt: str = "dense", limit: float = 0.0):
+    """Routed experts: x [T, d], ids/weights [T, k] -> sum of weighted expert outputs [T, d]."""
+    op = "moe_experts"
+    check_tensor(op, "x", x, dtypes=_FLOATS, ndim=2)
+    T, d = x.shape
+    check_tensor(op, "ids", ids, dtypes=(torch.int32, torch.int64), ndim=2, device=x.device)
+    k = ids.shape[1]
+    check_tensor(op, "ids", ids, shape=(T, k))
+    check_tensor(op, "weights", weights, dtypes=_FLOATS, shape=(T, k), device=x.device)
+    check_choice(op, "fmt", fmt, ("dense", "fp8", "mxfp4"))
+    if w1.dim() != 3:
+        raise ValueError(f"deepfuse: {op}: w1 must be [E, I, {'d/2' if fmt == 'mxfp4' else 'd'}], got {list(w1.shape)}")
+    E, I = w1.shape[0], w1.shape[1]
+    for name, w, s, (N, K) in (("w1", w1, s1, (I, d)), ("w3", w3, s3, (I, d)), ("w2", w2, s2, (d, I))):
+        if w.dim() != 3 or w.shape[0] != E:
+            raise ValueError(f"deepfuse: {op}: {name} must be [{E}, ...], got {list(w.shape)}")
+        check_weight(op, w[0], None if s is None else s[0], fmt, N, K, name=f"{name}[e]")
+        if w.device != x.device:
+            raise ValueError(f"deepfuse: {op}: {name} is on {w.device}, x on {x.device}")
+    scales = (s1, s3, s2) if fmt != "dense" else (None, None, None)
+    return torch.ops.deepfuse.moe_experts(x, ids, weights, w1, w3, w2, *scales, fmt, float(limit))
