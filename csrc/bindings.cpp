@@ -9,6 +9,7 @@
 
 #include "cast/cast.h"
 #include "common/cuda_utils.h"
+#include "topk/topk.h"
 
 namespace py = pybind11;
 using ptr_t = std::uintptr_t;
@@ -49,4 +50,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("x_is_bf16"), py::arg("q"), py::arg("scale"), py::arg("kind"),
       py::arg("M"), py::arg("K"), py::arg("x_ld"), py::arg("group"), py::arg("scale_ld"),
       py::arg("stream"));
+  m.def(
+      "topk",
+      [](ptr_t x, int dtype, int64_t B, int64_t N, int64_t ld, int k, ptr_t lengths,
+         ptr_t values, ptr_t indices, bool idx64, bool sorted, ptr_t stream) {
+        deepfuse::topk(P(x), static_cast<deepfuse::TopkDtype>(dtype), B, N, ld, k,
+                       P<const int32_t>(lengths), P(values), P(indices), idx64, sorted,
+                       deepfuse::as_stream(stream));
+      },
+      py::arg("x"), py::arg("dtype"), py::arg("B"), py::arg("N"), py::arg("ld"), py::arg("k"),
+      py::arg("lengths"), py::arg("values"), py::arg("indices"), py::arg("idx64"),
+      py::arg("sorted"), py::arg("stream"));
+  m.def(
+      "topk_plan",
+      [](int dtype, int64_t B, int64_t N, bool sorted) {
+        const auto p = deepfuse::topk_plan(static_cast<deepfuse::TopkDtype>(dtype), B, N, sorted);
+        return py::make_tuple(p.ctas_per_row, p.staged, p.smem_bytes);
+      },
+      "topk launch plan: (CTAs per row, row part staged in shared memory, smem bytes per CTA)");
 }

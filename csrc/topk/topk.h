@@ -1,0 +1,32 @@
+// Row-wise top-k (radix select over order-preserving keys). Semantics: deepfuse/ops/topk.py.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace deepfuse {
+
+enum class TopkDtype : int { kBf16 = 0, kF16 = 1, kF32 = 2 };
+
+constexpr int kTopkMaxK = 4096;
+
+// x: [B, N] rows `ld` elements apart, last dim contiguous, element-aligned; N < 2^31.
+// lengths: int32 [B] or null (row b considers x[b, :clamp(lengths[b], 0, N)]).
+// values: [B, k] of x's dtype, contiguous, or null (not written).
+// indices: [B, k] contiguous, int64 if idx64 else int32. 1 <= k <= 4096.
+// Slots [min(k, L_b), k) of a row get index -1 and value -inf. sorted: descending values.
+// Launches one kernel on `stream`; no allocation, no synchronisation.
+void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int k,
+          const int32_t* lengths, void* values, void* indices, bool idx64, bool sorted,
+          cudaStream_t stream);
+
+// The launch plan topk() uses (for tests and benchmarks): CTAs per row (a thread-block
+// cluster when > 1), whether each CTA stages its part of the row in shared memory, and
+// the dynamic shared memory per CTA in bytes.
+struct TopkPlan {
+  int ctas_per_row;
+  bool staged;
+  int smem_bytes;
+};
+TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, bool sorted);
+
+}  // namespace deepfuse
