@@ -27,13 +27,14 @@ from .rope import RopeTable
 
 
 def select_topk(scores: torch.Tensor, k: int, lengths: torch.Tensor) -> torch.Tensor:
-    """Indices [..., k] of the k largest scores of each row; invalid slots (beyond a row's
-    `lengths` visible entries) are -1. One small function so the top-k kernel can drop in."""
+    """Indices [..., k] (int64) of the k largest scores of each row [..., C] among its first
+    `lengths` entries; slots beyond a row's length are -1. Runs deepfuse.ops.topk."""
     C = scores.shape[-1]
-    vis = torch.arange(C, device=scores.device) < lengths.unsqueeze(-1)
-    masked = scores.masked_fill(~vis, float("-inf"))
-    idx = torch.topk(masked, k, dim=-1, sorted=False).indices
-    return torch.where(idx < lengths.unsqueeze(-1), idx, torch.full_like(idx, -1))
+    lead = scores.shape[:-1]
+    flat = scores.reshape(-1, C)
+    lens = lengths.expand(lead).reshape(-1).to(torch.int32)
+    idx = ops.topk(flat.contiguous(), k, lengths=lens, return_values=False, index_dtype=torch.int64)
+    return idx.view(*lead, k)
 
 
 class Indexer(nn.Module):

@@ -52,7 +52,7 @@ CONFIG = {
     "scoring_func": "sqrtsoftplus",
     "routed_scaling_factor": 1.5,
     "swiglu_limit": 10.0,
-    "index_n_heads": 2,
+    "index_n_heads": 8,
     "index_head_dim": 32,
     "index_topk": 8,
     "hc_mult": 4,
