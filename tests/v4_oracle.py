@@ -86,8 +86,15 @@ def write_checkpoint(path: Path, tensors: dict, config: dict, shards: int = 1) -
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     names = sorted(tensors)
+    if shards == 1:
+        save_file({k: tensors[k].contiguous() for k in names}, str(path / "model.safetensors"))
+        return path
     per = -(-len(names) // shards)
+    weight_map = {}
     for i in range(shards):
-        save_file({k: tensors[k].contiguous() for k in names[i * per:(i + 1) * per]},
-                  str(path / f"model-{i:05d}.safetensors"))
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i * per:(i + 1) * per]
+        save_file({k: tensors[k].contiguous() for k in part}, str(path / fname))
+        weight_map.update(dict.fromkeys(part, fname))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
