@@ -51,7 +51,8 @@ def topk_ref(x: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *,
     pad = torch.arange(k, device=x.device)[None, :] >= torch.clamp(L, max=k)[:, None]
     idx = idx.masked_fill(pad, N)  # N: the -inf column appended below
     xp = torch.cat([x, torch.full((B, 1), float("-inf"), dtype=x.dtype, device=x.device)], dim=1)
-    values = xp.gather(1, idx)
+    iview = torch.int32 if x.element_size() == 4 else torch.int16
+    values = xp.view(iview).gather(1, idx).view(x.dtype)  # integer gather: NaN payloads kept
     idx = idx.masked_fill(pad, -1).to(index_dtype)
     return values, idx
 
@@ -101,6 +102,12 @@ def _(x, k, lengths, sorted, indices, values):
     return None
 
 
+def launch_plan(dtype: torch.dtype, B: int, N: int, sorted: bool = False) -> tuple[int, bool, int]:
+    """The CUDA kernel's plan for a shape (needs a GPU): (CTAs per row, row part staged in
+    shared memory, shared memory bytes per CTA)."""
+    return tuple(_ext.ext(torch.device("cuda")).topk_plan(_DTYPES.index(dtype), B, N, sorted))
+
+
 def _launch(x, k, lengths, sorted, indices, values):
     B, N = x.shape
     if B == 0:
@@ -132,7 +139,9 @@ def topk(x: torch.Tensor, k: int, *, lengths: torch.Tensor | None = None, sorted
         raise TypeError(f"deepfuse: {name}: return_values must be a bool, got {type(return_values).__name__}")
     if index_dtype not in _INDEX_DTYPES:
         raise TypeError(f"deepfuse: {name}: index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
-    B = x.shape[0]
+    B, N = x.shape
+    if N >= 2**31:
+        raise ValueError(f"deepfuse: {name}: x.shape[1] (N = {N}) must be < 2^31")
     if x.stride(0) < 0:
         raise ValueError(f"deepfuse: {name}: x must have a non-negative row stride (strides {x.stride()})")
     if lengths is not None:
