@@ -528,17 +528,29 @@ __global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params P) {
 
 int elem_size(TopkDtype d) { return d == TopkDtype::kF32 ? 4 : 2; }
 
+// Opts every kernel variant into large dynamic shared memory, once per device (on the
+// first call, so that a later first use of a variant inside a graph capture needs no
+// attribute call).
+void set_smem_attributes() {
+  static bool done[64] = {};
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev < 64 && done[dev]) return;
+  const void* kernels[] = {reinterpret_cast<const void*>(topk_kernel<0, true>),
+                           reinterpret_cast<const void*>(topk_kernel<0, false>),
+                           reinterpret_cast<const void*>(topk_kernel<1, true>),
+                           reinterpret_cast<const void*>(topk_kernel<1, false>),
+                           reinterpret_cast<const void*>(topk_kernel<2, true>),
+                           reinterpret_cast<const void*>(topk_kernel<2, false>)};
+  for (const void* kern : kernels)
+    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemOnePerSm),
+               "topk: cudaFuncSetAttribute");
+  if (dev < 64) done[dev] = true;
+}
+
 template <int FMT, bool STAGED>
 void launch(const Params& P, int64_t B, int smem, cudaStream_t stream) {
   auto kern = topk_kernel<FMT, STAGED>;
-  static bool attr_set[64] = {};
-  int dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  if (dev >= 64 || !attr_set[dev]) {
-    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemOnePerSm),
-               "topk: cudaFuncSetAttribute");
-    if (dev < 64) attr_set[dev] = true;
-  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(B * P.G), 1, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
@@ -592,6 +604,7 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
   P.G = plan.ctas_per_row;
   P.idx64 = idx64;
   P.sorted = sorted;
+  set_smem_attributes();
   switch (dtype) {
     case TopkDtype::kBf16:
       plan.staged ? launch<0, true>(P, B, plan.smem_bytes, stream) : launch<0, false>(P, B, plan.smem_bytes, stream);
