@@ -172,7 +172,6 @@ class _Loader:
         if sk not in self.r:
             raise CheckpointError(f"deepfuse: {fmt} weight {wk!r} ({self.r.origin(wk)}) has no scale tensor {sk!r}")
         s = self.r.get(sk)
-        self.tick()
         if tuple(s.shape) != grid:
             raise self.shape_error(sk, f"{list(grid)} (scales of the {fmt} weight {wk})", list(s.shape))
         w = w.to(self.device)

@@ -74,6 +74,7 @@ def test_hc_pre_post_head_match_oracle(n):
     torch.testing.assert_close(ops.hc_head(x, head.hc_fn, head.hc_scale, head.hc_base), head(x))
     torch.library.opcheck(torch.ops.deepfuse.hc_pre, (x, hc.fn, hc.scale, hc.base, 1e-6, 1e-6, 20))
     torch.library.opcheck(torch.ops.deepfuse.hc_post, (f, x, post, comb))
+    torch.library.opcheck(torch.ops.deepfuse.hc_head, (x, head.hc_fn, head.hc_scale, head.hc_base, 1e-6, 1e-6))
     with pytest.raises(ValueError, match="fn must have shape"):
         ops.hc_pre(x, hc.fn[:-1], hc.scale, hc.base)
 
@@ -151,6 +152,7 @@ def test_quant_and_grouped_linear(fmt):
     # (test_schema compares fp8 tensors with ops the CPU lacks for float8)
     utils = ("test_faketensor", "test_aot_dispatch_dynamic") if fmt == "fp8" else "ALL"
     torch.library.opcheck(torch.ops.deepfuse.quant_linear, (x, q, s, fmt), test_utils=utils)
+    torch.library.opcheck(torch.ops.deepfuse.grouped_linear, (xg, q, s, fmt), test_utils=utils)
     with pytest.raises(ValueError, match="scale must have shape"):
         ops.quant_linear(x, q, s[:-1], fmt)
 
@@ -179,6 +181,10 @@ def test_moe_route_matches_oracle_routers(hashed):
     o_ref, o = i_ref.sort(-1), i.sort(-1)
     assert torch.equal(o.values, o_ref.values)
     torch.testing.assert_close(w.gather(-1, o.indices), w_ref.gather(-1, o_ref.indices))
+    logits = F.linear(x, r.weight).detach()
+    args = (None, 3, 2.5, "sqrtsoftplus", r.tid2eid[tok]) if hashed else (r.e_score_correction_bias, 3, 2.5,
+                                                                          "sqrtsoftplus", None)
+    torch.library.opcheck(torch.ops.deepfuse.moe_route, (logits,) + args)
 
 
 def test_moe_experts_match_oracle_experts():
@@ -215,3 +221,4 @@ def test_swiglu_clamps():
     ref = F.silu(gt.clamp(max=10)) * up.clamp(-10, 10)
     torch.testing.assert_close(ops.swiglu(gt, up, 10.0), ref)
     torch.testing.assert_close(ops.swiglu(gt, up, 0.0), F.silu(gt) * up)
+    torch.library.opcheck(torch.ops.deepfuse.swiglu, (gt, up, 10.0))

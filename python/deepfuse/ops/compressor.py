@@ -17,7 +17,7 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 def compress_pool_ref(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     p = torch.softmax(score.float(), dim=-2)
-    return (kv.float() * p).sum(-2).to(kv.dtype)
+    return (kv.float() * p).sum(-2).to(kv.dtype).contiguous()
 
 
 # no kernel yet: the op's body (the reference) also serves CUDA tensors.

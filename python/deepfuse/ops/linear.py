@@ -72,7 +72,7 @@ def quant_linear_ref(x, w, scale, fmt: str):
 def grouped_linear_ref(x, w, scale, fmt: str):
     G, Kg = x.shape[-2], x.shape[-1]
     wd = dequant_weight(w, scale, fmt).view(G, -1, Kg)
-    return torch.einsum("...gk,grk->...gr", x.float(), wd).to(x.dtype)
+    return torch.einsum("...gk,grk->...gr", x.float(), wd).to(x.dtype).contiguous()
 
 
 # no kernel yet for the two ops below: the op's body (the reference) also serves CUDA tensors.
