@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from v4_oracle import CONFIGS, ids, load_ours, oracle_checkpoint, rel_err
+from v4_oracle import CONFIGS, ids, load_ours, oracle_checkpoint, rel_err, one_thread  # noqa: F401
 
 pytest.importorskip("transformers")
 

@@ -1,7 +1,7 @@
 """models.tiny (the bundled random V4 checkpoint) and the MTP layer."""
 import torch
 
-from v4_oracle import ids, rel_err
+from v4_oracle import ids, rel_err, one_thread  # noqa: F401
 
 from deepfuse import models
 from deepfuse.models import tiny

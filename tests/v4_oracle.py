@@ -6,7 +6,19 @@ import json
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny models' ops are too small to gain from intra-op threads, and spinning threads
+    slow them down badly on a busy machine: run these modules with one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 
