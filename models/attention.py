@@ -9,6 +9,11 @@ core: deepfuse.ops.sparse_attention with the per-head sink (scale D^-0.5);
 out: inverse RoPE on o's last rope dims, then the grouped projection wo_a (o_groups blocks)
      and wo_b. Sliding-window layers use the main RoPE, CSA/HCA layers the compress RoPE
      (YaRN) everywhere, as the transformers oracle does.
+
+Differences from DeepSeek's reference code, where we follow the oracle: the reference rounds
+the window kv's non-RoPE dims (and the compressed rows) through FP8 per 64 values to mimic
+its quantisation-aware training and keeps a bf16 KV cache; the oracle (and this graph) keep
+them unrounded. The FP8 serving cache of the engine is a later, separate choice.
 """
 from __future__ import annotations
 

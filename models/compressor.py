@@ -5,6 +5,10 @@ weighted sum of the projected rows wkv x of the block; with overlap (CSA), the p
 are 2D wide: block i pools the second halves of its own r rows together with the first
 halves of block i-1's r rows (2r rows; block 0 has only its own). Then RMSNorm (fp32
 weight) and compress RoPE at position i r. Official names: wkv, wgate, ape, norm.
+
+DeepSeek's reference runs the projections and pooling in fp32 (fp32 wkv / wgate); the
+transformers oracle, which we follow, runs them in the model dtype with an fp32 softmax
+(identical in fp32).
 """
 from __future__ import annotations
 

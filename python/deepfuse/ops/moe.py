@@ -11,7 +11,9 @@ Semantics (the references define them), all in fp32:
   disables the clamps.
 - moe_experts(x [T, d], ids, weights, w1 [E, I, d], w3 [E, I, d], w2 [E, d, I], ...):
     y_t = sum_j weights[t, j] * W2_e (swiglu(W1_e x_t, W3_e x_t, limit)),  e = ids[t, j]
-  ids outside [0, E) contribute nothing (expert-parallel shards). Weights may be stored as
+  ids outside [0, E) contribute nothing (expert-parallel shards). (DeepSeek's reference
+  scales the SwiGLU output before w2, the oracle the w2 output: the same in exact math.)
+  Weights may be stored as
   "dense", "fp8" (scales [E, ceil(I/128), ceil(d/128)] etc.) or "mxfp4" (uint8 [E, I, d/2],
   scales [E, I, d/32]); see deepfuse.ops.linear for the formats.
 """
