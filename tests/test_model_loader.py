@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from v4_oracle import ids, load_ours, rel_err, write_checkpoint, one_thread  # noqa: F401
+from v4_oracle import ids, load_ours, write_checkpoint, one_thread  # noqa: F401
 
 from deepfuse import models
 from deepfuse.models import CheckpointError, ConfigError, V4Config, tiny
