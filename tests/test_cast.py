@@ -201,6 +201,27 @@ def test_group_cast_gpu_bit_exact(M, K, dtype, group, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_cast_gpu_scale_boundaries(dtype):
+    # Group maxima exactly at 448 * 2^e and one ulp either side, subnormal and tiny maxima:
+    # the exponent rule must match the reference at every power-of-two boundary.
+    e = torch.arange(-140, 120, dtype=torch.float32)
+    a = (448.0 * torch.exp2(e)).to(dtype).float()
+    up = torch.nextafter(a, torch.full_like(a, float("inf"))).to(dtype).float()
+    dn = torch.nextafter(a, torch.zeros_like(a)).to(dtype).float()
+    tiny = torch.tensor([1e-45, 1e-40, 2.0**-127, 2.0**-126, 3e-39, 1e38, 3.3e38])
+    amax = torch.cat([a, up, dn, tiny.to(dtype).float()])
+    x = torch.rand(amax.numel(), 32) * amax[:, None] * 0.5
+    x[:, 7] = -amax
+    x = x.to(dtype).cuda()
+    for fmt in ("fp32", "ue8m0"):
+        q, s = torch.ops.deepfuse.fp8_group_cast(x, 32, fmt)
+        qr, sr = C.fp8_group_cast_ref(x.cpu(), 32, fmt)
+        assert_bytes_equal(s, sr, f"{fmt} scales")
+        assert_bytes_equal(q, qr, f"{fmt} q")
+
+
+@pytest.mark.gpu
 def test_group_cast_gpu_strided_rows_and_empty():
     base = rand(50, 1024, torch.bfloat16, "cuda")
     x = base[:, 128:128 + 512]

@@ -11,6 +11,8 @@
 #include "common/cuda_utils.h"
 #include "common/fp8_utils.cuh"
 
+#include <type_traits>
+
 namespace deepfuse {
 namespace {
 
@@ -27,10 +29,16 @@ fp8_group_cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ q, void* __
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
   const bool col_ok = col < K;
 
+  // bf16 rows stay as raw bits until their amax is taken with integer SIMD.
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   float v[kRows][8];
+  uint4 raw[kRows];
 #pragma unroll
   for (int u = 0; u < kRows; ++u) {
-    if (col_ok && row0 + u < M) {
+    const bool ok = col_ok && row0 + u < M;
+    if constexpr (kBf16) {
+      raw[u] = ok ? __ldg(reinterpret_cast<const uint4*>(x + (row0 + u) * x_ld + col)) : make_uint4(0, 0, 0, 0);
+    } else if (ok) {
       load8(x + (row0 + u) * x_ld + col, v[u]);
     } else {
 #pragma unroll
@@ -43,8 +51,13 @@ fp8_group_cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ q, void* __
 #pragma unroll
   for (int u = 0; u < kRows; ++u) {
     float amax = 0.0f;
+    if constexpr (kBf16) {
+      amax = finite_amax8_bf16(raw[u]);
+      widen8(raw[u], v[u]);
+    } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[u][i]));
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[u][i]));
+    }
 #pragma unroll
     for (int off = kLanes / 2; off > 0; off >>= 1)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));

@@ -16,21 +16,24 @@ __device__ __forceinline__ float finite_abs(float v) { return isfinite(v) ? fabs
 // fp32 scale: amax / 448, at least 2^-126 (so all-zero groups get a finite scale).
 __device__ __forceinline__ float fp32_scale(float amax) { return fmaxf(amax / kE4M3Max, kFp32Tiny); }
 
-// UE8M0 exponent e in [-127, 127]: the smallest power of two 2^e with amax / 2^e <= 448.
-// amax / 448 == 0 gives -127. Exact: ceil(log2(amax / 448)) corrected against 448 * 2^e.
-__device__ __forceinline__ int ue8m0_exponent(float amax) {
-  const float v = amax / kE4M3Max;
-  if (v == 0.0f) return -127;  // zero, or the division underflowed
-  int e;
-  float m = frexpf(v, &e);                 // v = m * 2^e, m in [0.5, 1)
-  if (m == 0.5f) e -= 1;                   // v is a power of two
-  if (amax > ldexpf(kE4M3Max, e)) e += 1;  // the division rounded down across a power of two
-  return max(-127, min(127, e));
-}
-
 // 2^n exactly for n in [-127, 127] (2^-127 is subnormal; no ftz).
 __device__ __forceinline__ float exp2i(int n) {
-  return n >= -126 ? __int_as_float((n + 127) << 23) : __int_as_float(0x00400000);
+  return n >= -126 ? __uint_as_float(static_cast<uint32_t>(n + 127) << 23) : __uint_as_float(0x00400000u);
+}
+
+// UE8M0 exponent e in [-127, 127]: the smallest power of two 2^e with amax / 2^e <= 448.
+// Exact: ceil(log2(v)) of v = amax / 448 from its bits, then corrected against 448 * 2^e
+// (the division may round down across a power of two). v == 0 (amax == 0, or the
+// division underflowed) gives -127, as does any v <= 2^-127 (clamped).
+__device__ __forceinline__ int ue8m0_exponent(float amax) {
+  const float v = amax / kE4M3Max;
+  if (v == 0.0f) return -127;
+  const uint32_t bits = __float_as_uint(v);  // v > 0: no sign bit
+  const int biased = static_cast<int>(bits >> 23);
+  int e = biased == 0 ? (v > 0x1p-127f ? -126 : -127)             // subnormal v
+                      : biased - 127 + ((bits & 0x7fffffu) != 0u);  // ceil(log2(v))
+  if (amax > kE4M3Max * exp2i(e)) e += 1;
+  return min(127, e);
 }
 
 // Eight floats to eight e4m3 bytes (round to nearest even, saturating; NaN stays NaN).
@@ -58,6 +61,30 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
   v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
   v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// Max |x| over the finite values among eight bf16 (raw bits), as a float. Integer SIMD on
+// 16-bit halves: a bf16 is finite iff |bits| < 0x7f80, and non-negative floats order as
+// their bit patterns, so the result equals the float computation exactly.
+__device__ __forceinline__ float finite_amax8_bf16(const uint4& raw) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t a = w[i] & 0x7fff7fffu;
+    m = __vmaxu2(m, a & __vcmpltu2(a, 0x7f807f80u));
+  }
+  return __uint_as_float(max(m & 0xffffu, m >> 16) << 16);
+}
+
+__device__ __forceinline__ void widen8(const uint4& raw, float (&v)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
 }
 
 }  // namespace deepfuse
