@@ -60,6 +60,8 @@ class V4Model(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
                 torch.int64, torch.int32):
             raise ValueError("deepfuse: input_ids must be an int64/int32 tensor of shape [B, T]")
+        if input_ids.device != self.device:
+            raise ValueError(f"deepfuse: input_ids is on {input_ids.device}, the model on {self.device}")
         if cache is not None and input_ids.shape[0] != cache.batch_size:
             raise ValueError(f"deepfuse: input_ids has batch {input_ids.shape[0]}, the cache {cache.batch_size}")
 
