@@ -26,4 +26,8 @@ mkdir -p "$out"
 echo "building cp$ver wheel for archs '$archs' (codegen: $codegen)"
 DEEPFUSE_CUDA_ARCHS="$archs" DEEPFUSE_CODEGEN_PYTHON="$codegen" \
   "$benv/bin/pip" wheel --no-build-isolation --no-deps -w "$out" "$root"
+# The commit the wheel was built from, for results recorded on the GPU machine.
+c=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+[ -n "$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null)" ] && c="$c-dirty"
+echo "$c" > "$out/COMMIT"
 ls -la "$out"

@@ -4,7 +4,7 @@
 #   usage (device tool, from the repo root, carrying wheelhouse/):
 #     bash tools/gpu_run.sh [stages...]      stages: info tests sanitize bench (default: all)
 #   env: OUT (results folder; default ./gpu-out), BENCH_ARGS (e.g. "--quick --only cast"),
-#        PYTEST_ARGS (extra pytest args, e.g. "-k topk")
+#        KSEL (pytest -k expression, e.g. "cast or topk")
 # Logs go to $OUT/*.log; JSON + PNG results are packed into $OUT/results.tgz.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -13,11 +13,11 @@ OUT=${OUT:-$root/gpu-out}
 mkdir -p "$OUT" /tmp/deepfuse-res
 stages=${*:-info tests sanitize bench}
 export PYTHONUNBUFFERED=1
-export DEEPFUSE_COMMIT=${DEEPFUSE_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+export DEEPFUSE_COMMIT=${DEEPFUSE_COMMIT:-$(cat wheelhouse/COMMIT 2>/dev/null || git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 
 whl=$(ls wheelhouse/deepfuse-*cp312*.whl 2>/dev/null | head -n1)
 if [ -z "$whl" ]; then echo "no cp312 wheel in wheelhouse/"; exit 2; fi
-python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/dfsite "$whl" || exit 3
+python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/dfsite "$whl" || exit 3
 export PYTHONPATH=/tmp/dfsite:$root   # installed package + microbench/ from the tree
 rc=0
 run() {  # name, timeout, command...
@@ -33,11 +33,11 @@ for s in $stages; do
     info)
       run info 60 bash -c 'nvidia-smi; python3 -c "import torch, deepfuse; print(torch.__version__, deepfuse.__version__, deepfuse.built_archs(), torch.cuda.get_device_name())"' ;;
     tests)
-      run gpu-tests 420 python3 -m pytest -q -m "gpu or sanitize" -p no:cacheprovider tests ${PYTEST_ARGS:-} ;;
+      run gpu-tests 420 python3 -m pytest -q -m "gpu or sanitize" -p no:cacheprovider tests -k "${KSEL:-}" ;;
     sanitize)
       for tool in memcheck racecheck; do
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "sanitize-$tool" 300 compute-sanitizer --tool "$tool" \
-          --error-exitcode 9 --target-processes all python3 -m pytest -q -x -m sanitize -p no:cacheprovider tests ${PYTEST_ARGS:-}
+          --error-exitcode 9 --target-processes all python3 -m pytest -q -x -m sanitize -p no:cacheprovider tests -k "${KSEL:-}"
       done ;;
     bench)
       run bench 540 python3 -m microbench.run --out /tmp/deepfuse-res ${BENCH_ARGS:-} ;;
