@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cast/block_cast.h"
 #include "cast/cast.h"
 #include "common/cuda_utils.h"
 #include "topk/topk.h"
@@ -50,6 +51,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("x_is_bf16"), py::arg("q"), py::arg("scale"), py::arg("kind"),
       py::arg("M"), py::arg("K"), py::arg("x_ld"), py::arg("group"), py::arg("scale_ld"),
       py::arg("stream"));
+  m.def(
+      "fp8_block_cast",
+      [](ptr_t w, bool w_is_bf16, ptr_t q, ptr_t scale, bool ue8m0, int64_t N, int64_t K,
+         ptr_t stream) {
+        deepfuse::fp8_block_cast(P(w), w_is_bf16, P(q), P(scale), ue8m0, N, K,
+                                 deepfuse::as_stream(stream));
+      },
+      py::arg("w"), py::arg("w_is_bf16"), py::arg("q"), py::arg("scale"), py::arg("ue8m0"),
+      py::arg("N"), py::arg("K"), py::arg("stream"),
+      "weight block cast (TileLang kernel; raises in builds without TileLang kernels)");
   m.def(
       "topk",
       [](ptr_t x, int dtype, int64_t B, int64_t N, int64_t ld, int k, ptr_t lengths,

@@ -8,6 +8,7 @@ import traceback
 
 BENCHES = [
     "bench_cast",
+    "bench_block_cast",
     "bench_topk",
 ]
 
