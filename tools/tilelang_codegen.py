@@ -13,8 +13,9 @@ unique across modules. `info` writes GEN/tilelang_info.cmake (include dirs, kern
   next to the other kernels and archs: the kernel is renamed dftl_<name>_sm_<arch>_kernel,
   the wrapper's extern "C" init / call / get_last_error become static, the two non-inline
   debug helpers of tl_templates/cuda/debug.h are renamed per file, and one exported
-  function deepfuse::tl_gen::sm_<arch>::<name>(...) runs init once per device, then call;
-  it returns nullptr or the wrapper's error text.
+  function deepfuse::tl_gen::sm_<arch>::<name>(...) runs init once per device (only when a
+  kernel needs more than 48 KB of dynamic shared memory), then call; it returns nullptr or
+  the wrapper's error text.
 - GEN/deepfuse_tl_kernels.h: `void deepfuse::tl::<name>(void* ..., int ..., cudaStream_t)`
   per kernel: picks the code for the current device's arch, throws std::runtime_error.
 - GEN/deepfuse_tl_dispatch.cpp: those dispatchers.
@@ -184,6 +185,10 @@ def postprocess(code: str, device_src: str, name: str, arch: str, sym: str) -> t
             fail(f"{name} (sm_{arch}): launch attribute `{_PDL_ON}` not found in TileLang's wrapper")
         code = code.replace(_PDL_ON, _PDL_OFF)
         pdl_note = "kernel has no T.pdl_sync(): programmatic stream serialization switched off"
+    # init() only raises the dynamic shared memory limit; below the default 48 KB it is not
+    # needed, and skipping it keeps the first call free of non-stream CUDA calls (graph capture).
+    smem = [int(v) for v in re.findall(r"cudaFuncAttributeMaxDynamicSharedMemorySize, (\d+)\)", code)]
+    needs_init = any(v > 48 * 1024 for v in smem)
     m = re.search(r"static int " + re.escape(sym) + r"_call\((.*?)\) \{", code, re.S)
     if not m:
         fail(f"{name} (sm_{arch}): cannot find the launcher signature")
@@ -196,14 +201,7 @@ def postprocess(code: str, device_src: str, name: str, arch: str, sym: str) -> t
     ]
     head += [f"#define {h} {h}_{sym}" for h in _DEBUG_HELPERS]
     head += ["#include <atomic>", "#include <mutex>", ""]
-    pub = ", ".join(f"{'void*' if ptr else ty} {n}" for ty, n, ptr in params)
-    fwd = ", ".join(f"({ty}){n}" if ptr else n for ty, n, ptr in params)
-    tail = f"""
-
-// ---- deepfuse entry point (generated)
-namespace deepfuse {{ namespace tl_gen {{ namespace sm_{arch} {{
-const char* {name}({pub}) {{
-  static std::atomic<unsigned long long> ready{{0}};  // bit d: init() done on device d
+    init = f"""  static std::atomic<unsigned long long> ready{{0}};  // bit d: init() done on device d
   static std::mutex mu;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
@@ -214,7 +212,15 @@ const char* {name}({pub}) {{
     if ({sym}_init() != 0) return {sym}_get_last_error();
     ready.fetch_or(bit, std::memory_order_release);
   }}
-  if ({sym}_call({fwd}) != 0) return {sym}_get_last_error();
+""" if needs_init else f"  (void){sym}_init;  // dynamic shared memory {max(smem, default=0)} B <= 48 KB: no attribute to set\n"
+    pub = ", ".join(f"{'void*' if ptr else ty} {n}" for ty, n, ptr in params)
+    fwd = ", ".join(f"({ty}){n}" if ptr else n for ty, n, ptr in params)
+    tail = f"""
+
+// ---- deepfuse entry point (generated)
+namespace deepfuse {{ namespace tl_gen {{ namespace sm_{arch} {{
+const char* {name}({pub}) {{
+{init}  if ({sym}_call({fwd}) != 0) return {sym}_get_last_error();
   return nullptr;
 }}
 }} }} }}  // namespace deepfuse::tl_gen::sm_{arch}
