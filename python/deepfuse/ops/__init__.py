@@ -11,6 +11,15 @@ from deepfuse.ops.cast import (
     unpack_ue8m0,
 )
 from deepfuse.ops.topk import topk
+from deepfuse.ops.kvcache import (
+    indexer_key_dequant,
+    indexer_key_store,
+    kv_dequant,
+    kv_store,
+    swa_store,
+    window_gather,
+    window_restore,
+)
 
 from deepfuse.ops.attention import sparse_attention
 from deepfuse.ops.compressor import compress_pool
@@ -31,6 +40,13 @@ __all__ = [
     "pack_ue8m0",
     "unpack_ue8m0",
     "topk",
+    "kv_store",
+    "swa_store",
+    "indexer_key_store",
+    "window_gather",
+    "window_restore",
+    "kv_dequant",
+    "indexer_key_dequant",
     # model-graph ops (references; kernels drop in behind the same names)
     "rms_norm",
     "rope",
