@@ -10,6 +10,7 @@ BENCHES = [
     "bench_cast",
     "bench_block_cast",
     "bench_topk",
+    "bench_kvcache",
 ]
 
 

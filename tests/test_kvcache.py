@@ -599,3 +599,32 @@ def test_kvcache_sanitize(dtype):
     assert_same_bytes(gpu.data, ref.data, "pages")
     assert_same_bytes(gring.data, ring.data, "ring")
     assert_same_bytes(gik.data, ik.data, "indexer")
+
+
+# ----------------------------------------------------------------------------- benchmark smoke (CPU)
+def test_bench_cases_run_on_cpu(monkeypatch):
+    # Every microbenchmark case and its PyTorch baseline runs (small sizes, CPU), and the
+    # baselines compute the same thing as the ops.
+    from microbench import bench_kvcache as BK
+
+    monkeypatch.setattr(BK, "DEV", "cpu")
+    names = sorted({c[0] for c in BK.cases(True, 3)})
+    for name in names:
+        fn, tfn, nbytes, rows = BK.setup(name, "decode" if "store" in name else "window", 2, 16)
+        a, b = fn(), tfn()
+        assert nbytes > 0 and rows > 0
+        if name == "gather_ring_bf16" or name == "gather_pages_bf16":
+            assert same_bf16(a.view(-1, 512), b)
+    # store baselines == ops (same bytes)
+    g = torch.Generator().manual_seed(4)
+    kv = rand_rows(2 * 20).view(2, 20, 512)
+    slots = slots_of(20, 64, g)
+    a, b = (F.alloc_kv_pages(2, 4, 16, device="cpu", poison=True) for _ in range(2))
+    ops.kv_store(a, slots, kv)
+    BK.torch_kv_store(b.data, slots, kv, 16)
+    assert torch.equal(a.data, b.data)
+    k = rand_rows(2 * 20, 128).view(2, 20, 128)
+    a, b = (F.alloc_indexer_pages(2, 4, 16, device="cpu", poison=True) for _ in range(2))
+    ops.indexer_key_store(a, slots, k)
+    BK.torch_idx_store(b.data, slots, k, 16)
+    assert torch.equal(a.data, b.data)
