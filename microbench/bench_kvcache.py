@@ -212,7 +212,7 @@ def main(argv=None):
     print(f"\n{len(ok) - len(miss)} of {len(ok)} cases at >= 80% of the copy ceiling ({ctx.copy_tbps:.2f} TB/s)")
     for r in miss:
         print(f"  below: {r['kernel']} {r['phase']} L={r['L']} n={r['n']}: {r['frac_copy']:.0%} "
-              f"(same-size copy reaches {r['MB'] / r['copy_same_size_us'] / 1e6 / ctx.copy_tbps:.0%})")
+              f"(same-size copy reaches {r['MB'] / r['copy_same_size_us'] / 1e6 / ctx.copy_tbps * 1e6:.0%})")
     H.save(a.out, "kvcache", ctx, rows_out)
     plot_rows = [dict(r, series=f"{r['kernel']}:{r['phase']}") for r in ok]
     H.plot(a.out, "kvcache", ctx, plot_rows, x="rows", ys=["tbps"], group="series",
