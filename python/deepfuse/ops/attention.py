@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from deepfuse.ops._registry import op
+
 from deepfuse.ops._checks import check_tensor
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,7 +46,7 @@ def sparse_attention_ref(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
 
 # no kernel yet: the op's body (the reference) also serves CUDA tensors.
-@torch.library.custom_op("deepfuse::sparse_attention", mutates_args=())
+@op("sparse_attention")
 def _sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
                       scale: float) -> torch.Tensor:
     return sparse_attention_ref(q, kv, indices, sink, scale)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from deepfuse.ops._registry import op
+
 from deepfuse.ops._checks import check_tensor
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -21,7 +23,7 @@ def compress_pool_ref(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
 
 # no kernel yet: the op's body (the reference) also serves CUDA tensors.
-@torch.library.custom_op("deepfuse::compress_pool", mutates_args=())
+@op("compress_pool")
 def _compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return compress_pool_ref(kv, score)
 

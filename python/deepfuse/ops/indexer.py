@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from deepfuse.ops._registry import op
+
 from deepfuse.ops._checks import check_tensor
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,7 +31,7 @@ def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, 
 
 
 # no kernel yet: the op's body (the reference) also serves CUDA tensors.
-@torch.library.custom_op("deepfuse::indexer_scores", mutates_args=())
+@op("indexer_scores")
 def _indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
     return indexer_scores_ref(q, k, weights, scale)
 

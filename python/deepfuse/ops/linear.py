@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from deepfuse.ops._registry import op
+
 from deepfuse.ops._checks import check_choice, check_tensor
 from deepfuse.ops.cast import _scale_values, fp8_block_dequant
 
@@ -76,7 +78,7 @@ def grouped_linear_ref(x, w, scale, fmt: str):
 
 
 # no kernel yet for the two ops below: the op's body (the reference) also serves CUDA tensors.
-@torch.library.custom_op("deepfuse::quant_linear", mutates_args=())
+@op("quant_linear")
 def _quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     return quant_linear_ref(x, w, scale, fmt)
 
@@ -86,7 +88,7 @@ def _(x, w, scale, fmt):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
-@torch.library.custom_op("deepfuse::grouped_linear", mutates_args=())
+@op("grouped_linear")
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> torch.Tensor:
     return grouped_linear_ref(x, w, scale, fmt)
 

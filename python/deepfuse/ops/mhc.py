@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from deepfuse.ops._registry import op
+
 from deepfuse.ops._checks import check_tensor
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,7 +60,7 @@ def hc_head_ref(x, fn, scale, base, norm_eps: float, hc_eps: float):
 
 
 # no kernel yet for the three ops below: the op's body (the reference) also serves CUDA tensors.
-@torch.library.custom_op("deepfuse::hc_pre", mutates_args=())
+@op("hc_pre")
 def _hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return hc_pre_ref(x, fn, scale, base, norm_eps, hc_eps, iters)
@@ -71,7 +73,7 @@ def _(x, fn, scale, base, norm_eps, hc_eps, iters):
             x.new_empty(*lead, n, n, dtype=torch.float32))
 
 
-@torch.library.custom_op("deepfuse::hc_post", mutates_args=())
+@op("hc_post")
 def _hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     return hc_post_ref(f, x, post, comb)
 
@@ -81,7 +83,7 @@ def _(f, x, post, comb):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("deepfuse::hc_head", mutates_args=())
+@op("hc_head")
 def _hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_eps: float, hc_eps: float) -> torch.Tensor:
     return hc_head_ref(x, fn, scale, base, norm_eps, hc_eps)

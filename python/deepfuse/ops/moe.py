@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from deepfuse.ops._registry import op
 import torch.nn.functional as F
 
 from deepfuse.ops._checks import check_choice, check_int, check_tensor
@@ -81,7 +83,7 @@ def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt: str, limit: fl
 
 # no kernel yet for the three ops below: the op's body (the reference) also serves CUDA
 # tensors (moe_experts syncs the host there; a grouped-GEMM kernel replaces it).
-@torch.library.custom_op("deepfuse::moe_route", mutates_args=())
+@op("moe_route")
 def _moe_route(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, route_scale: float, score_func: str,
                hash_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return moe_route_ref(logits, bias, k, route_scale, score_func, hash_ids)
@@ -93,7 +95,7 @@ def _(logits, bias, k, route_scale, score_func, hash_ids):
     return (logits.new_empty(T, k, dtype=torch.float32), logits.new_empty(T, k, dtype=torch.int64))
 
 
-@torch.library.custom_op("deepfuse::swiglu", mutates_args=())
+@op("swiglu")
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return swiglu_ref(gate, up, limit)
 
@@ -103,7 +105,7 @@ def _(gate, up, limit):
     return torch.empty_like(gate)
 
 
-@torch.library.custom_op("deepfuse::moe_experts", mutates_args=())
+@op("moe_experts")
 def _moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                  w2: torch.Tensor, s1: Optional[torch.Tensor], s3: Optional[torch.Tensor], s2: Optional[torch.Tensor],
                  fmt: str, limit: float) -> torch.Tensor:

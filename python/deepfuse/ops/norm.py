@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from deepfuse.ops._registry import op
+
 from deepfuse.ops._checks import check_tensor
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -24,7 +26,7 @@ def rms_norm_ref(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) ->
 
 
 # no kernel yet: the op's body (the reference) also serves CUDA tensors.
-@torch.library.custom_op("deepfuse::rms_norm", mutates_args=())
+@op("rms_norm")
 def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from deepfuse.ops._registry import op
+
 from deepfuse.ops._checks import check_tensor
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,7 +31,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 
 
 # no kernel yet: the op's body (the reference) also serves CUDA tensors.
-@torch.library.custom_op("deepfuse::rope", mutates_args=())
+@op("rope")
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     return rope_ref(x, cos, sin, inverse)
 
