@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from deepfuse.ops._registry import op
-
 from deepfuse.ops._checks import check_tensor
+from deepfuse.ops._registry import op
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

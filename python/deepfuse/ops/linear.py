@@ -15,9 +15,8 @@ from typing import Optional
 
 import torch
 
-from deepfuse.ops._registry import op
-
 from deepfuse.ops._checks import check_choice, check_tensor
+from deepfuse.ops._registry import op
 from deepfuse.ops.cast import _scale_values, fp8_block_dequant
 
 FP8_BLOCK = 128
