@@ -22,11 +22,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
-from deepfuse.ops._registry import op
 import torch.nn.functional as F
 
 from deepfuse.ops._checks import check_choice, check_int, check_tensor
+from deepfuse.ops._registry import op
 from deepfuse.ops.linear import check_weight, dequant_weight
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
