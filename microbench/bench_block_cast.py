@@ -7,7 +7,6 @@ Baseline: the same computation in PyTorch on the GPU (deepfuse.ops.cast.fp8_bloc
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -21,12 +20,7 @@ QUICK = [(64, 7168), (2048, 7168), (7168, 7168), (16384, 7168)]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench-results")
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
-    ctx = H.Context.create()
-    print(ctx.header())
+    a, ctx = H.start(argv)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for fmt in ("fp32", "ue8m0"):

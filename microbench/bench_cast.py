@@ -4,7 +4,6 @@ python -m microbench.bench_cast --out DIR [--quick]
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -21,12 +20,7 @@ VARIANTS = {
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench-results")
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
-    ctx = H.Context.create()
-    print(ctx.header())
+    a, ctx = H.start(argv)
     Ms = [64, 1024, 16384] if a.quick else [64, 256, 1024, 4096, 8192, 16384]
     K = 7168
     rows = []

@@ -11,7 +11,6 @@ python -m microbench.bench_kvcache --out DIR [--quick] [--layers 43]
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -174,13 +173,8 @@ def setup(name, phase, L, n):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench-results")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--layers", type=int, default=43, help="layers written per decode launch")
-    a = ap.parse_args(argv)
-    ctx = H.Context.create()
-    print(ctx.header())
+    a, ctx = H.start(argv, lambda ap: ap.add_argument("--layers", type=int, default=43,
+                                                      help="layers written per decode launch"))
     rows_out = []
     for name, phase, L, n in cases(a.quick, a.layers):
         try:

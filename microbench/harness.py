@@ -154,6 +154,22 @@ class Context:
                 f"copy ceiling {self.copy_tbps:.2f} TB/s")
 
 
+def start(argv=None, extra: Callable | None = None):
+    """Common command line (--out DIR, --quick, plus `extra(parser)`), then the run's Context
+    (measures the copy ceiling) with its header printed. -> (args, ctx)"""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args(argv)
+    ctx = Context.create()
+    print(ctx.header())
+    return args, ctx
+
+
 def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
     """columns: (key, format) pairs, e.g. ("us", "{:.1f}")."""
     heads = [k for k, _ in columns]

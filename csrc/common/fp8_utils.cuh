@@ -46,8 +46,8 @@ __device__ __forceinline__ uint2 to_e4m3x8(const float (&v)[8]) {
 }
 
 // 16-byte loads of eight values, widened to fp32.
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
-  uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+// Eight bf16 (raw bits) widened to fp32.
+__device__ __forceinline__ void widen8(const uint4& raw, float (&v)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -56,6 +56,11 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
     v[2 * i + 1] = f.y;
   }
 }
+
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
+  widen8(__ldg(reinterpret_cast<const uint4*>(p)), v);
+}
+
 __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   float4 a = __ldg(reinterpret_cast<const float4*>(p));
   float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
@@ -75,16 +80,6 @@ __device__ __forceinline__ float finite_amax8_bf16(const uint4& raw) {
     m = __vmaxu2(m, a & __vcmpltu2(a, 0x7f807f80u));
   }
   return __uint_as_float(max(m & 0xffffu, m >> 16) << 16);
-}
-
-__device__ __forceinline__ void widen8(const uint4& raw, float (&v)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
 }
 
 }  // namespace deepfuse
