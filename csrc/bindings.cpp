@@ -75,11 +75,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("sorted"), py::arg("stream"));
   m.def(
       "topk_plan",
-      [](int dtype, int64_t B, int64_t N, bool sorted) {
-        const auto p = deepfuse::topk_plan(static_cast<deepfuse::TopkDtype>(dtype), B, N, sorted);
-        return py::make_tuple(p.ctas_per_row, p.staged, p.smem_bytes);
+      [](int dtype, int64_t B, int64_t N, int k, bool sorted) {
+        const auto p = deepfuse::topk_plan(static_cast<deepfuse::TopkDtype>(dtype), B, N, k, sorted);
+        return py::make_tuple(p.ctas_per_row, p.threads, p.smem_bytes);
       },
-      "topk launch plan: (CTAs per row, row part staged in shared memory, smem bytes per CTA)");
+      "topk launch plan: (CTAs per row, threads per CTA, smem bytes per CTA)");
 
   // ---- kvcache (formats: deepfuse/engine/kv_format.py)
   m.def(

@@ -149,10 +149,10 @@ def check(x, k, lengths, sorted_, values, indices, tag: str) -> None:
         fail(real[:, 1:] & (selk[:, 1:] > selk[:, :-1]), "sorted=True row not descending")
 
 
-def plan_of(dtype, B, N, sorted_=False) -> str:
+def plan_of(dtype, B, N, k, sorted_=False) -> str:
     try:
-        g, staged, smem = T.launch_plan(dtype, B, N, sorted_)
-        return f"plan(G={g}, {'staged' if staged else 'streamed'}, {smem // 1024} KB)"
+        g, nt, smem = T.launch_plan(dtype, B, N, k, sorted_)
+        return f"plan(G={g}, {nt} threads, {smem // 1024} KB)"
     except Exception as e:  # CPU-only runs
         return f"plan(?: {e})"
 
@@ -165,7 +165,7 @@ def run_case(dtype, B, N, k, *, kind="randn", use_lengths=False, sorted_=False, 
     lengths = ragged(B, N, k, "cuda", seed) if use_lengths else None
     tag = (f"{str(dtype).removeprefix('torch.')} B={B} N={N} k={k} kind={kind} lengths={use_lengths} "
            f"sorted={sorted_} vals={return_values} idx={str(index_dtype).removeprefix('torch.')} "
-           f"{plan_of(dtype, B, N, sorted_)}")
+           f"{plan_of(dtype, B, N, k, sorted_)}")
     # poison the allocator's free blocks so that unwritten outputs show up
     junk = torch.empty(B * k * 16 + 1024, dtype=torch.uint8, device="cuda").fill_(0x5A)
     del junk
@@ -349,7 +349,7 @@ def test_gpu_grid(dtype, N):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_gpu_input_kinds(dtype, kind):
-    # cluster split (small B, long rows) and one CTA per row (large B), staged
+    # cluster split (small B, long rows) and one CTA per row (large B)
     for j, (B, N, k) in enumerate([(1, 131072, 2048), (4, 40000, 512), (300, 8192, 1024), (64, 5000, 4096),
                                    (2, 129280, 50)]):
         run_case(dtype, B, N, k, kind=kind, use_lengths=j % 2 == 1, sorted_=j == 3, seed=j)
@@ -357,26 +357,39 @@ def test_gpu_input_kinds(dtype, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_gpu_streamed_rows(dtype):
-    # rows too long to stage in shared memory: every pass re-reads global memory
+def test_gpu_long_rows(dtype):
+    # long rows: many rounds per CTA, buffer compactions (k = 4096, heavy ties), re-streams
     N = 1_000_003 if dtype != torch.float32 else 500_001
-    g, staged, _ = T.launch_plan(dtype, 2, N)
-    assert not staged, f"expected a streamed plan for N={N}, got G={g} staged"
     for j, kind in enumerate(["randn", "ties", "special", "narrow"]):
         run_case(dtype, 2, N, [4096, 1000, 50, 2048][j], kind=kind, use_lengths=j % 2 == 0, sorted_=j == 1, seed=j)
     run_case(dtype, 33, N // 4, 512, kind="scores", seed=9)
+    run_case(dtype, 3, N, 4096, kind="ramp", seed=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_gpu_adversarial_order(dtype):
+    # sorted rows defeat the sampled threshold (ascending: every element raises it;
+    # descending: the top sits in rank 0's part) and reversed ones: exact either way
+    for B, N, k in [(1, 131072, 2048), (2, 40000, 512), (300, 8192, 1024), (4, 300000, 4096)]:
+        base = torch.randn(B, N, device="cuda").sort(dim=1).values.to(dtype)
+        run_case(dtype, B, N, k, x=base.contiguous(), seed=1)
+        run_case(dtype, B, N, k, x=base.flip(1).contiguous(), seed=2)
+        run_case(dtype, B, N, k, x=base.flip(1).contiguous(), use_lengths=True, sorted_=True, seed=3)
 
 
 @pytest.mark.gpu
 def test_gpu_plans_cover_every_cluster_size():
     seen = set()
-    for B, N in [(512, 8192), (1, 8192), (64, 32768), (1, 131072), (512, 131072), (16, 262144), (1, 4_000_000)]:
+    for B, N in [(512, 8192), (1, 8192), (64, 32768), (128, 131072), (1, 131072), (512, 131072), (16, 262144),
+                 (1, 4_000_000)]:
         for dt in DTYPES:
-            g, staged, smem = T.launch_plan(dt, B, N)
-            assert g in (1, 2, 4, 8) and smem <= 227 * 1024
-            seen.add((g, staged))
-    assert {1, 2, 4, 8} <= {g for g, _ in seen}, seen
-    assert {True, False} <= {s for _, s in seen}, seen
+            for k in (1, 2048, 4096):
+                for srt in (False, True):
+                    g, nt, smem = T.launch_plan(dt, B, N, k, srt)
+                    assert g in (1, 2, 4, 8) and nt in (256, 512) and smem <= 227 * 1024
+                    seen.add(g)
+    assert {1, 2, 4, 8} <= seen, seen
 
 
 @pytest.mark.gpu
@@ -390,7 +403,7 @@ def test_gpu_sorted(dtype):
     x = make_input("randn", 4, 40000, dtype, "cuda", gen)
     L = torch.tensor([100, 4096, 0, 3000], dtype=torch.int32, device="cuda")
     v, i = ops.topk(x, 4096, lengths=L, sorted=True)
-    check(x, 4096, L, True, v, i, f"{dtype} select-all sorted, {plan_of(dtype, 4, 40000, True)}")
+    check(x, 4096, L, True, v, i, f"{dtype} select-all sorted, {plan_of(dtype, 4, 40000, 4096, True)}")
 
 
 @pytest.mark.gpu

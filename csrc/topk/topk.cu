@@ -1,38 +1,49 @@
-// Row-wise top-k: radix select over order-preserving unsigned keys.
+// Row-wise top-k: one streaming pass over the row that keeps only candidates, then a radix
+// select over the candidates alone.
 //
 // Keys: a float's bits become an unsigned integer of the same width whose order is the
 // float order (negative: all bits flipped; non-negative: sign bit set). Every NaN maps to
 // the all-ones key, above +inf. bf16/fp16 give 16-bit keys, fp32 32-bit keys.
 //
-// Work split: a row is handled by G CTAs (G in {1, 2, 4, 8}); for G > 1 they form a
-// thread-block cluster and exchange histograms through distributed shared memory (DSMEM).
-// G grows until B * G fills the GPU (small B, long rows: the whole GPU reads each row
-// once) and until each CTA's part of the row fits in its shared memory ("staged": read
-// from HBM once, every later pass runs on shared memory). Rows too long to stage at
-// G = 8 are re-read from global memory (L2) on every pass.
+// Why not a radix select over the whole row: for real-valued data the top digit of the
+// key (sign, exponent, a few mantissa bits) falls into a few dozen bins, so a histogram of
+// every element serialises on shared-memory atomics to the same addresses; that, not HBM,
+// bounded the previous (staged, full-histogram) kernel at 2-4x torch.topk.
 //
-// Select, per row, K = min(k, L) with L the row's length. Digits of 11+5 (16-bit keys) or
-// 11+11+10 bits (32-bit keys), most significant first:
-//   level 0  each CTA reads its part of the row (16-byte loads, several in flight),
-//            stages it in shared memory and builds the 2048-bin histogram of digit 0
-//            with shared-memory atomics.
-//   merge    (G > 1) reduce-scatter then all-gather of the CTAs' histograms over DSMEM,
-//            two cluster barriers: every CTA then holds the row's histogram.
-//   scan     a block suffix scan finds the bucket b holding the K-th largest key, the
-//            count above b (all selected) and the count in b. This CTA's own counts are
-//            scanned alongside (packed in the high half of 64-bit sums).
-//   stop     if bucket b holds exactly what is still needed, or the key is exhausted, the
-//            threshold prefix T is final; else the next level histograms the next digit
-//            of the elements whose prefix equals the chosen buckets.
-//   final    one more pass writes every element whose prefix is > T and, of those == T,
-//            as many as still needed (by ticket). Each CTA reserves its output slots
-//            with one atomic on rank 0's counters (DSMEM); inside a CTA, warp-aggregated
-//            shared-memory tickets.
+// Work split: a row is handled by G CTAs (G in {1, 2, 4, 8}; a thread-block cluster when
+// G > 1, 512 threads per CTA; G = 1: 256 threads, up to four CTAs per SM). G grows while
+// the grid stays within about one wave and each CTA keeps at least 8192 elements.
+//
+// Per CTA, with K = min(k, L) (L: the row's length) and a candidate buffer of C >= 2K
+// (raw bits, index) pairs in shared memory:
+//   estimate  (part longer than C) every thread reads a few elements spread over the CTA's
+//             part; a histogram of their top 11 key bits gives a first threshold thr whose
+//             expected count above it is a few standard deviations over this part's share
+//             of K. Only a speed hint: every case below stays exact.
+//   stream    the part is read once from HBM (16-byte loads, two sets of U per thread in
+//             flight). A float compare against thr drops almost every element; the few that
+//             pass are checked on their exact key (key > thr) and appended to the buffer
+//             (warp-scanned counts, one shared atomic per warp).
+//   compact   when an append does not fit (warp reservations past C fail and are retried),
+//             the CTA selects the K largest buffered keys (radix select over the buffer),
+//             keeps exactly those and raises thr to their threshold. Invariant: every
+//             dropped element has key <= thr, and once thr > 0 the buffer holds >= K
+//             elements with key >= thr; so the buffer always contains a valid top-K.
+//   select    D = the largest thr of the row's CTAs (DSMEM exchange for G > 1). A radix
+//             select over the buffered keys >= D (11-bit digits starting below the common
+//             prefix of D and the row's largest buffered key, so candidates spread over
+//             the bins; histograms merged over DSMEM for G > 1) finds the K-th key. If
+//             fewer than K candidates are >= D (the estimate was too high), the row is
+//             streamed again with thr = 0 (exact by the invariant).
+//   output    candidates above the threshold prefix take slots by ticket; of those equal
+//             to it, as many as still needed. Slot bases across CTAs: one atomic per CTA on
+//             rank 0's counters (DSMEM).
 // L <= k: every element is selected and goes to the slot equal to its index.
 // sorted: the selected (key, index) pairs go to rank 0's shared memory instead; rank 0
 // bitonic-sorts them (descending) and writes the indices and values (re-read from x).
 // Rows shorter than k are padded by rank 0 (index -1, value -inf).
 #include <cooperative_groups.h>
+#include <cuda_fp16.h>
 
 #include "common/cuda_utils.h"
 #include "topk/topk.h"
@@ -42,16 +53,12 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 2048;  // widest digit: 11 bits
-constexpr int kUnroll = 4;   // 16-byte loads in flight per thread in the first pass
 constexpr int kMaxCluster = 8;
-constexpr int kMinSegment = 4096;          // do not split rows into parts smaller than this
-constexpr int kSmemTwoPerSm = 112 * 1024;  // per CTA: two CTAs fit an SM (228 KB)
-constexpr int kSmemOnePerSm = 220 * 1024;  // per CTA: one CTA per SM
+constexpr int kMinPart = 8192;  // do not split rows into parts smaller than this
+constexpr int kSamples = 1024;  // elements per CTA in the threshold estimate
+constexpr uint32_t kNone = 0xFFFFFFFFu;
 constexpr unsigned kFull = 0xffffffffu;
-static_assert(kBins == 4 * kThreads, "scan and zeroing assume four bins per thread");
 
 template <int FMT>
 struct Fmt;
@@ -60,9 +67,20 @@ struct Fmt<0> {  // bf16
   using Raw = uint16_t;
   static constexpr int kBits = 16;
   static constexpr uint32_t kNegInf = 0xFF80u;
+  static constexpr uint32_t kKeyNegInf = 0x007Fu, kKeyPosInf = 0xFF80u;
   __device__ __forceinline__ static uint32_t key(uint32_t r) {
     const uint32_t k = r ^ ((r & 0x8000u) ? 0xFFFFu : 0x8000u);
     return (r & 0x7FFFu) > 0x7F80u ? 0xFFFFu : k;
+  }
+  __device__ __forceinline__ static float to_float(uint32_t r) { return __uint_as_float(r << 16); }
+  // True if some element of v is >= t or NaN.
+  __device__ __forceinline__ static bool any_ge(const uint4& v, float t) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    bool p = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      p |= !(__uint_as_float(w[i] << 16) < t) || !(__uint_as_float(w[i] & 0xFFFF0000u) < t);
+    return p;
   }
 };
 template <>
@@ -70,9 +88,20 @@ struct Fmt<1> {  // fp16
   using Raw = uint16_t;
   static constexpr int kBits = 16;
   static constexpr uint32_t kNegInf = 0xFC00u;
+  static constexpr uint32_t kKeyNegInf = 0x03FFu, kKeyPosInf = 0xFC00u;
   __device__ __forceinline__ static uint32_t key(uint32_t r) {
     const uint32_t k = r ^ ((r & 0x8000u) ? 0xFFFFu : 0x8000u);
     return (r & 0x7FFFu) > 0x7C00u ? 0xFFFFu : k;
+  }
+  __device__ __forceinline__ static float to_float(uint32_t r) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(r)));
+  }
+  __device__ __forceinline__ static bool any_ge(const uint4& v, float t) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    bool p = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p |= !(to_float(w[i] & 0xFFFFu) < t) || !(to_float(w[i] >> 16) < t);
+    return p;
   }
 };
 template <>
@@ -80,26 +109,42 @@ struct Fmt<2> {  // fp32
   using Raw = uint32_t;
   static constexpr int kBits = 32;
   static constexpr uint32_t kNegInf = 0xFF800000u;
+  static constexpr uint32_t kKeyNegInf = 0x007FFFFFu, kKeyPosInf = 0xFF800000u;
   __device__ __forceinline__ static uint32_t key(uint32_t r) {
     const uint32_t k = r ^ ((r & 0x80000000u) ? 0xFFFFFFFFu : 0x80000000u);
     return (r & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFFFFFFu : k;
   }
+  __device__ __forceinline__ static float to_float(uint32_t r) { return __uint_as_float(r); }
+  __device__ __forceinline__ static bool any_ge(const uint4& v, float t) {
+    return !(__uint_as_float(v.x) < t) || !(__uint_as_float(v.y) < t) || !(__uint_as_float(v.z) < t) ||
+           !(__uint_as_float(v.w) < t);
+  }
 };
 
-// Digit widths, most significant first: 16-bit keys 11 + 5, 32-bit keys 11 + 11 + 10.
-__host__ __device__ constexpr int digit_bits(int key_bits, int level) {
-  return key_bits == 16 ? (level == 0 ? 11 : 5) : (level < 2 ? 11 : 10);
+// x >> s for s in [0, 32].
+__device__ __forceinline__ uint32_t shr(uint32_t x, int s) { return s >= 32 ? 0u : x >> s; }
+
+// A float t such that key(x) > thr implies !(x < t) (NaN passes any compare with `!(x < t)`):
+// the value of key thr + 1, clamped to [-inf, +inf].
+template <class F>
+__device__ __forceinline__ float thr_float(uint32_t thr) {
+  const uint32_t t1 = thr >= F::kKeyPosInf ? F::kKeyPosInf : max(thr + 1u, F::kKeyNegInf);
+  constexpr uint32_t sign = 1u << (F::kBits - 1);
+  constexpr uint32_t all = F::kBits == 32 ? 0xFFFFFFFFu : 0xFFFFu;
+  return F::to_float((t1 & sign) ? (t1 ^ sign) : (~t1 & all));
 }
 
 struct __align__(16) Shared {
-  uint32_t hist[kBins];    // this CTA's histogram of the current digit
-  uint32_t red[kBins];     // G > 1: this CTA's slice of the row histogram (kBins / G bins)
-  uint32_t merged[kBins];  // G > 1: the row histogram
-  unsigned long long wsum[kWarps];
-  uint32_t res_bin, res_above, res_cnt, res_lab, res_lcnt;  // scan result
-  uint32_t cnt_gt, cnt_eq;    // rank 0: cluster-wide output slot counters
-  uint32_t tk_gt, tk_eq;      // this CTA's tickets
-  uint32_t base_gt, base_eq;  // this CTA's first slot (greater / tied)
+  uint32_t hist[kBins];  // this CTA's histogram of the current digit
+  unsigned long long wsum[16];
+  uint32_t res_bin, res_above, res_cnt, res_lab, res_lcnt, res_total;  // find_bucket result
+  uint32_t cnt;   // buffer reservation counter
+  uint32_t vend;  // lowest base of a failed reservation (kNone: none)
+  uint32_t mx;    // largest buffered key
+  uint32_t dr;    // this CTA's drop threshold (read by the cluster)
+  uint32_t cnt_gt, cnt_eq;  // rank 0: cluster-wide output slot counters
+  uint32_t tk_gt, tk_eq, tk_ret;
+  uint32_t base_gt, base_eq;
 };
 
 struct Params {
@@ -108,7 +153,7 @@ struct Params {
   const int32_t* lengths;
   void* values;
   void* indices;
-  int N, k, G, idx64, sorted;
+  int N, k, G, C, idx64, sorted;
 };
 
 __device__ __forceinline__ void cluster_arrive() {
@@ -122,7 +167,16 @@ __device__ __forceinline__ void cluster_sync() {
   cluster_wait();
 }
 
-// Element i of a 16-byte vector of raw values (i must be a compile-time constant after unrolling).
+// 16 bytes read once: no L1 allocation.
+__device__ __forceinline__ uint4 ld_stream(const void* a) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(a));
+  return v;
+}
+
+// Element i of a 16-byte vector of raw values (i a compile-time constant after unrolling).
 template <int VEC>
 __device__ __forceinline__ uint32_t elem(const uint4& v, int i) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -137,26 +191,18 @@ __device__ __forceinline__ uint32_t elem(const uint4& v, int i) {
 // aligned in global memory); elements outside [lo, hi) are not this CTA's. Interior slots
 // [1, nslots - 1) lie wholly inside [lo, hi); the two edge slots hold the row's unaligned
 // head (rank 0) and tail (last rank) or nothing.
-template <class F, bool STAGED>
+template <class F>
 struct Part {
   using Raw = typename F::Raw;
   static constexpr int VEC = 16 / sizeof(Raw);
   const Raw* p;  // row start
   int lo, hi, seg0, nslots;
-  uint4* stage;  // nslots slots (STAGED)
 
   __device__ __forceinline__ bool in(int e) const { return e >= lo && e < hi; }
-
-  __device__ __forceinline__ uint4 load_interior_global(int s) const {
-    const uint4* a = reinterpret_cast<const uint4*>(p + static_cast<int64_t>(seg0 + s * VEC));
-    if constexpr (STAGED) {
-      return __ldcs(a);  // read once: evict first
-    } else {
-      return __ldg(a);  // read again by the later passes: keep in L2
-    }
+  __device__ __forceinline__ uint4 load_interior(int s) const {
+    return ld_stream(p + static_cast<int64_t>(seg0 + s * VEC));
   }
-
-  __device__ __forceinline__ uint4 load_edge_global(int s) const {
+  __device__ __forceinline__ uint4 load_edge(int s) const {
     const int e0 = seg0 + s * VEC;
     uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
@@ -172,93 +218,52 @@ struct Part {
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
   }
-
-  __device__ __forceinline__ bool is_edge(int s) const { return s == 0 || s == nslots - 1; }
-
-  // Any slot, from the stage (STAGED) or from global memory.
-  __device__ __forceinline__ uint4 load(int s) const {
-    if constexpr (STAGED) {
-      return stage[s];
-    } else {
-      return is_edge(s) ? load_edge_global(s) : load_interior_global(s);
-    }
-  }
 };
 
-// Histogram of digit (key >> shift) & mask over this CTA's elements whose key >> pshift
-// equals prefix. FIRST: level 0 (no prefix), slots come from global memory and are staged.
-template <bool FIRST, class F, bool STAGED>
-__device__ __forceinline__ void hist_pass(const Part<F, STAGED>& c, uint32_t* hist, int pshift,
-                                          uint32_t prefix, int shift, uint32_t mask) {
-  constexpr int VEC = Part<F, STAGED>::VEC;
-  constexpr int kU = (FIRST || !STAGED) ? kUnroll : 2;
-  auto count = [&](uint32_t raw) {
-    const uint32_t key = F::key(raw);
-    if (FIRST || (key >> pshift) == prefix) atomicAdd(&hist[(key >> shift) & mask], 1u);
-  };
-  if (threadIdx.x < 2) {  // the two edge slots
-    const int s = threadIdx.x == 0 ? 0 : c.nslots - 1;
-    const uint4 v = (FIRST || !STAGED) ? c.load_edge_global(s) : c.stage[s];
-    if constexpr (FIRST && STAGED) c.stage[s] = v;
-    const int e0 = c.seg0 + s * VEC;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i)
-      if (c.in(e0 + i)) count(elem<VEC>(v, i));
-  }
-  const int n_in = c.nslots - 2;  // interior slots 1 .. nslots - 2
-  for (int s0 = 0; s0 < n_in; s0 += kThreads * kU) {
-    uint4 v[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int j = s0 + u * kThreads + static_cast<int>(threadIdx.x);
-      v[u] = make_uint4(0u, 0u, 0u, 0u);
-      if (j < n_in) v[u] = (FIRST || !STAGED) ? c.load_interior_global(1 + j) : c.stage[1 + j];
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int j = s0 + u * kThreads + static_cast<int>(threadIdx.x);
-      if (j >= n_in) break;
-      if constexpr (FIRST && STAGED) c.stage[1 + j] = v[u];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) count(elem<VEC>(v[u], i));
-    }
-  }
-}
-
-// G > 1: every CTA of the cluster ends with the row histogram in sh.merged.
-__device__ __forceinline__ void merge_histograms(Shared& sh, int G, int lg_slice, int rank) {
+// G > 1: every CTA of the cluster ends with the row histogram in `merged`.
+template <int NT>
+__device__ __forceinline__ void merge_histograms(Shared& sh, uint32_t* red, uint32_t* merged, int G,
+                                                 int lg_slice, int rank) {
   cg::cluster_group cl = cg::this_cluster();
   cluster_sync();  // all local histograms complete (and every CTA of the cluster running)
   const int slice = 1 << lg_slice;  // kBins / G
-  for (int j = threadIdx.x; j < slice; j += kThreads) {
+  for (int j = threadIdx.x; j < slice; j += NT) {
     uint32_t sum = 0;
 #pragma unroll
     for (int r = 0; r < kMaxCluster; ++r)
       if (r < G) sum += cl.map_shared_rank(sh.hist, r)[rank * slice + j];
-    sh.red[j] = sum;
+    red[j] = sum;
   }
   cluster_sync();  // slices complete; local histograms no longer read remotely
 #pragma unroll
-  for (int u = 0; u < kBins / kThreads; ++u) {
-    const int b = u * kThreads + threadIdx.x;
-    sh.merged[b] = cl.map_shared_rank(sh.red, b >> lg_slice)[b & (slice - 1)];
+  for (int u = 0; u < kBins / NT; ++u) {
+    const int b = u * NT + threadIdx.x;
+    merged[b] = cl.map_shared_rank(red, b >> lg_slice)[b & (slice - 1)];
   }
   __syncthreads();
 }
 
-// Finds bucket b with S(b+1) < krem <= S(b), S(b) = sum of M over bins >= b (krem >= 1 and
-// S(0) >= krem). Writes b, S(b+1), M[b] and this CTA's H-sums to sh.res_*.
+// Finds bucket b with S(b+1) < krem <= S(b), S(b) = sum of M over bins >= b, if S(0) >= krem.
+// Writes b, S(b+1), M[b], this CTA's H-sums (S_H(b+1), H[b]) and S(0) to sh.res_*.
+template <int NT>
 __device__ __forceinline__ void find_bucket(Shared& sh, const uint32_t* M, const uint32_t* H,
                                             uint32_t krem) {
+  constexpr int BPT = kBins / NT;  // bins per thread: 4 or 8
+  constexpr int NW = NT / 32;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const uint4 m4 = reinterpret_cast<const uint4*>(M)[t];
-  const uint4 h4 = reinterpret_cast<const uint4*>(H)[t];
-  unsigned long long c[4];
-  c[0] = (static_cast<unsigned long long>(h4.x) << 32) | m4.x;
-  c[1] = (static_cast<unsigned long long>(h4.y) << 32) | m4.y;
-  c[2] = (static_cast<unsigned long long>(h4.z) << 32) | m4.z;
-  c[3] = (static_cast<unsigned long long>(h4.w) << 32) | m4.w;
-  const unsigned long long tot = c[0] + c[1] + c[2] + c[3];
+  unsigned long long c[BPT];
+#pragma unroll
+  for (int q = 0; q < BPT / 4; ++q) {
+    const uint4 m4 = reinterpret_cast<const uint4*>(M)[t * (BPT / 4) + q];
+    const uint4 h4 = reinterpret_cast<const uint4*>(H)[t * (BPT / 4) + q];
+    c[4 * q + 0] = (static_cast<unsigned long long>(h4.x) << 32) | m4.x;
+    c[4 * q + 1] = (static_cast<unsigned long long>(h4.y) << 32) | m4.y;
+    c[4 * q + 2] = (static_cast<unsigned long long>(h4.z) << 32) | m4.z;
+    c[4 * q + 3] = (static_cast<unsigned long long>(h4.w) << 32) | m4.w;
+  }
+  unsigned long long tot = 0;
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) tot += c[j];
   unsigned long long suf = tot;  // inclusive suffix sum over the lanes >= this one
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
@@ -269,13 +274,14 @@ __device__ __forceinline__ void find_bucket(Shared& sh, const uint32_t* M, const
   __syncthreads();
   unsigned long long run = suf - tot;  // bins above this thread's
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w)
+  for (int w = 1; w < NW; ++w)
     if (w > warp) run += sh.wsum[w];
+  if (t == 0) sh.res_total = static_cast<uint32_t>(run + tot);
 #pragma unroll
-  for (int j = 3; j >= 0; --j) {
+  for (int j = BPT - 1; j >= 0; --j) {
     const uint32_t above = static_cast<uint32_t>(run), in = static_cast<uint32_t>(c[j]);
     if (above < krem && above + in >= krem) {
-      sh.res_bin = 4 * t + j;
+      sh.res_bin = BPT * t + j;
       sh.res_above = above;
       sh.res_cnt = in;
       sh.res_lab = static_cast<uint32_t>(run >> 32);
@@ -286,15 +292,53 @@ __device__ __forceinline__ void find_bucket(Shared& sh, const uint32_t* M, const
   __syncthreads();
 }
 
+// find_bucket for a plain histogram (no per-CTA half): res_bin only.
+template <int NT>
+__device__ __forceinline__ void find_bucket_lean(Shared& sh, const uint32_t* M, uint32_t krem) {
+  constexpr int BPT = kBins / NT;
+  constexpr int NW = NT / 32;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  uint32_t c[BPT];
+#pragma unroll
+  for (int q = 0; q < BPT / 4; ++q) {
+    const uint4 m4 = reinterpret_cast<const uint4*>(M)[t * (BPT / 4) + q];
+    c[4 * q + 0] = m4.x;
+    c[4 * q + 1] = m4.y;
+    c[4 * q + 2] = m4.z;
+    c[4 * q + 3] = m4.w;
+  }
+  uint32_t tot = 0;
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) tot += c[j];
+  uint32_t suf = tot;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_down_sync(kFull, suf, off);
+    if (lane + off < 32) suf += o;
+  }
+  if (lane == 0) sh.wsum[warp] = suf;
+  __syncthreads();
+  uint32_t run = suf - tot;
+#pragma unroll
+  for (int w = 1; w < NW; ++w)
+    if (w > warp) run += static_cast<uint32_t>(sh.wsum[w]);
+#pragma unroll
+  for (int j = BPT - 1; j >= 0; --j) {
+    if (run < krem && run + c[j] >= krem) sh.res_bin = BPT * t + j;
+    run += c[j];
+  }
+  __syncthreads();
+}
+
 template <class F>
 struct Out {
   using Raw = typename F::Raw;
-  Raw* values;           // row start or null
-  void* indices;         // row start
+  Raw* values;              // row start or null
+  void* indices;            // row start
   unsigned long long* sel;  // sorted: rank 0's pair buffer (maybe remote)
   bool idx64, sorted;
 
-  __device__ __forceinline__ void emit(int pos, int e, uint32_t raw, uint32_t key) const {
+  __device__ __forceinline__ void emit(uint32_t pos, int e, uint32_t raw, uint32_t key) const {
     if (sorted) {
       sel[pos] = (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(e);
       return;
@@ -316,67 +360,20 @@ struct Out {
   }
 };
 
-// Writes the elements with key >> shift > tp (slots base_gt + ticket) and, of those equal
-// to tp, the ones whose ticket base_eq + t < need_eq (slots above_total + t). Tickets: a
-// warp scan of per-thread counts and one shared-memory atomic per warp and counter.
-template <class F, bool STAGED>
-__device__ __forceinline__ void select_pass(const Part<F, STAGED>& c, Shared& sh, const Out<F>& o,
-                                            int shift, uint32_t tp, uint32_t base_gt,
-                                            uint32_t base_eq, uint32_t above_total,
-                                            uint32_t need_eq) {
-  constexpr int VEC = Part<F, STAGED>::VEC;
-  const int lane = threadIdx.x & 31;
-  for (int s0 = 0; s0 < c.nslots; s0 += kThreads) {  // uniform trip count: warp collectives inside
-    const int s = s0 + threadIdx.x;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (s < c.nslots) v = c.load(s);
-    const int e0 = c.seg0 + s * VEC;
-    const bool check = s >= c.nslots || c.is_edge(s);
-    uint32_t gtm = 0, eqm = 0;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const uint32_t kp = F::key(elem<VEC>(v, i)) >> shift;
-      const bool ok = !check || (s < c.nslots && c.in(e0 + i));
-      gtm |= static_cast<uint32_t>(ok && kp > tp) << i;
-      eqm |= static_cast<uint32_t>(ok && kp == tp) << i;
-    }
-    if (!__any_sync(kFull, (gtm | eqm) != 0u)) continue;
-    // Warp-inclusive scan of (ties << 16 | greater) counts (each <= 8 per thread).
-    const uint32_t mine = (static_cast<uint32_t>(__popc(eqm)) << 16) | static_cast<uint32_t>(__popc(gtm));
-    uint32_t incl = mine;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t o2 = __shfl_up_sync(kFull, incl, off);
-      if (lane >= off) incl += o2;
-    }
-    const uint32_t total = __shfl_sync(kFull, incl, 31);
-    uint32_t bg = 0, bq = 0;
-    if (lane == 0) {
-      if (total & 0xFFFFu) bg = atomicAdd(&sh.tk_gt, total & 0xFFFFu);
-      if (total >> 16) bq = atomicAdd(&sh.tk_eq, total >> 16);
-    }
-    bg = __shfl_sync(kFull, bg, 0);
-    bq = __shfl_sync(kFull, bq, 0);
-    const uint32_t excl = incl - mine;
-    uint32_t pg = base_gt + bg + (excl & 0xFFFFu);  // this thread's next slot / ticket
-    uint32_t tq = base_eq + bq + (excl >> 16);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const uint32_t raw = elem<VEC>(v, i);
-      if ((gtm >> i) & 1u) o.emit(pg++, e0 + i, raw, F::key(raw));
-      if ((eqm >> i) & 1u) {
-        if (tq < need_eq) o.emit(above_total + tq, e0 + i, raw, F::key(raw));
-        ++tq;
-      }
-    }
-  }
-}
+// Result of a radix select over the buffer: the selected keys are those >= lo whose
+// key >> shift is > T, plus `krem` of those equal to T. gt/eq_local: this CTA's counts.
+struct Sel {
+  uint32_t T, krem, gt_local, eq_local;
+  int shift;
+  bool ok;
+};
 
 // Descending bitonic sort of a[0, n), n a power of two, by one CTA.
+template <int NT>
 __device__ __forceinline__ void sort_desc(unsigned long long* a, int n) {
   for (int size = 2; size <= n; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int t = threadIdx.x; t < (n >> 1); t += kThreads) {
+      for (int t = threadIdx.x; t < (n >> 1); t += NT) {
         const int i = 2 * t - (t & (stride - 1));
         const int j = i + stride;
         const unsigned long long x = a[i], y = a[j];
@@ -391,19 +388,331 @@ __device__ __forceinline__ void sort_desc(unsigned long long* a, int n) {
   }
 }
 
-template <int FMT, bool STAGED>
-__global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params P) {
+template <int FMT, int NT, int U>
+__device__ __noinline__ uint32_t compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap,
+                                                uint32_t kk, uint32_t thr);
+
+template <int FMT, int NT, int U>
+struct Ctx {
   using F = Fmt<FMT>;
   using Raw = typename F::Raw;
-  constexpr int VEC = 16 / sizeof(Raw);
-  constexpr int KB = F::kBits;
-  constexpr int kLevels = KB == 16 ? 2 : 3;
+  static constexpr int VEC = 16 / sizeof(Raw);
+  static constexpr int KB = F::kBits;
+
+  Shared& sh;
+  uint32_t* craw;    // buffer: raw bits
+  uint32_t* cidx;    // buffer: element index
+  uint32_t* red;     // G > 1
+  uint32_t* merged;  // G > 1
+  Part<F> c;
+  int G, rank, lg_slice;
+  uint32_t cap, kk;
+  uint32_t thr;  // drop threshold: elements with key <= thr are not buffered
+  float tf;      // float pre-filter for thr
+
+  __device__ __forceinline__ void set_thr(uint32_t t) {
+    thr = t;
+    tf = thr_float<F>(t);
+  }
+
+  // Appends this warp's elements of mask m (bit i: element e0 + i of v). Warp-collective.
+  // Returns false (for the whole warp) if the reservation does not fit the buffer.
+  __device__ __forceinline__ bool warp_insert(const uint4& v, int e0, uint32_t m) {
+    const int lane = threadIdx.x & 31;
+    const uint32_t n = __popc(m);
+    uint32_t incl = n;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t o = __shfl_up_sync(kFull, incl, off);
+      if (lane >= off) incl += o;
+    }
+    const uint32_t total = __shfl_sync(kFull, incl, 31);
+    if (total == 0) return true;
+    uint32_t base = 0;
+    if (lane == 31) {
+      base = atomicAdd(&sh.cnt, total);
+      if (base + total > cap) atomicMin(&sh.vend, base);
+    }
+    base = __shfl_sync(kFull, base, 31);
+    if (base + total > cap) return false;
+    uint32_t pos = base + incl - n;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      if ((m >> i) & 1u) {
+        craw[pos] = elem<VEC>(v, i);
+        cidx[pos] = static_cast<uint32_t>(e0 + i);
+        ++pos;
+      }
+    }
+    return true;
+  }
+
+  __device__ __forceinline__ uint32_t exact_mask(const uint4& v) const {
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) m |= static_cast<uint32_t>(F::key(elem<VEC>(v, i)) > thr) << i;
+    return m;
+  }
+
+  // Largest key of buffer[0, n) into sh.mx (sh.mx == 0 before). Ends with a barrier.
+  __device__ __forceinline__ void buffer_max(uint32_t n) {
+    uint32_t m = 0;
+    for (uint32_t i = threadIdx.x; i < n; i += NT) m = max(m, F::key(craw[i]));
+    m = __reduce_max_sync(kFull, m);
+    if ((threadIdx.x & 31) == 0 && m) atomicMax(&sh.mx, m);
+    __syncthreads();
+  }
+
+  // Radix select of the `need` largest keys >= lo of buffer[0, n) (of every CTA's buffer if
+  // cluster). All keys >= lo are <= hi. ok = false if fewer than `need` keys are >= lo.
+  __device__ __forceinline__ Sel select(uint32_t n, uint32_t lo, uint32_t hi, uint32_t need, bool cluster) {
+    const int tid = threadIdx.x;
+    int start = KB;
+    if (hi >= lo) {
+      const uint32_t d = lo ^ hi;
+      start = d ? 32 - __clz(d) : 0;
+    }
+    start = max(start, 11);  // at least one level; keys in [lo, hi] share key >> start
+    uint32_t prefix = shr(lo, start), krem = need, gt_local = 0, eq_local = 0;
+    int shift = start;
+    if (tid == 0) sh.tk_gt = sh.tk_eq = sh.tk_ret = 0;
+    const uint32_t* M = cluster ? merged : sh.hist;
+#pragma unroll 1
+    for (int level = 0; level < 3 && shift > 0; ++level) {
+      const int bits = min(11, shift);
+      const int pshift = shift;
+      shift -= bits;
+      const uint32_t mask = (1u << bits) - 1u;
+#pragma unroll
+      for (int q = 0; q < kBins / (4 * NT); ++q)
+        reinterpret_cast<uint4*>(sh.hist)[q * NT + tid] = make_uint4(0u, 0u, 0u, 0u);
+      __syncthreads();
+      for (uint32_t i = tid; i < n; i += NT) {
+        const uint32_t key = F::key(craw[i]);
+        if (key >= lo && shr(key, pshift) == prefix) atomicAdd(&sh.hist[(key >> shift) & mask], 1u);
+      }
+      __syncthreads();
+      if (cluster) merge_histograms<NT>(sh, red, merged, G, lg_slice, rank);
+      find_bucket<NT>(sh, M, sh.hist, krem);
+      if (level == 0 && sh.res_total < need) return Sel{0u, 0u, 0u, 0u, 0, false};
+      const uint32_t b = sh.res_bin, above = sh.res_above, cnt = sh.res_cnt;
+      gt_local += sh.res_lab;
+      eq_local = sh.res_lcnt;
+      prefix = (prefix << bits) | b;
+      krem -= above;
+      if (cnt == krem) break;  // the whole bucket is selected
+    }
+    return Sel{prefix, krem, gt_local, eq_local, shift, true};
+  }
+
+  // Keeps exactly the selection s of buffer[0, n) (keys >= lo) at its front, in place:
+  // each NT-entry chunk is read, ranked (one ticket counter) and written below its start.
+  __device__ void compact_pass(uint32_t n, uint32_t lo, const Sel& s) {
+    const int lane = threadIdx.x & 31;
+    const uint32_t lt = (1u << lane) - 1u;
+    for (uint32_t s0 = 0; s0 < n; s0 += NT) {  // uniform trip count
+      const uint32_t i = s0 + threadIdx.x;
+      uint32_t raw = 0, idx = 0;
+      bool gt = false, eq = false;
+      if (i < n) {
+        raw = craw[i];
+        idx = cidx[i];
+        const uint32_t key = F::key(raw);
+        const uint32_t kp = key >> s.shift;
+        gt = key >= lo && kp > s.T;
+        eq = key >= lo && kp == s.T;
+      }
+      const uint32_t qm = __ballot_sync(kFull, eq);
+      uint32_t bq = 0;
+      if (lane == 0 && qm) bq = atomicAdd(&sh.tk_eq, __popc(qm));
+      bq = __shfl_sync(kFull, bq, 0);
+      const bool keep = gt || (eq && bq + __popc(qm & lt) < s.krem);
+      const uint32_t am = __ballot_sync(kFull, keep);
+      uint32_t ba = 0;
+      if (lane == 0 && am) ba = atomicAdd(&sh.tk_ret, __popc(am));
+      ba = __shfl_sync(kFull, ba, 0);
+      __syncthreads();  // the chunk is read before any of it is overwritten
+      if (keep) {
+        const uint32_t pos = ba + __popc(am & lt);
+        craw[pos] = raw;
+        cidx[pos] = idx;
+      }
+    }
+  }
+
+  // The buffer overflowed: keep its K largest keys and raise thr. Block-collective.
+  // A warp appends at most 32 * VEC <= 256 entries, so n >= C - 255 > K.
+  __device__ __forceinline__ uint32_t compact_now() {
+    const uint32_t n = sh.vend;  // entries [0, n) are written
+    buffer_max(n);
+    const uint32_t lo = thr;
+    const Sel s = select(n, lo, sh.mx, kk, false);  // n > K keys >= lo: cannot fail
+    compact_pass(n, lo, s);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      sh.cnt = kk;
+      sh.vend = kNone;
+      sh.mx = 0;
+    }
+    __syncthreads();
+    return max(lo, s.T << s.shift);  // the K kept keys are >= both
+  }
+
+  // Filters the U vectors of round r (interior slots 1 + (r*U + u)*NT + tid) into the buffer;
+  // `nxt` holds round r + 1 (in flight). On an overflow the buffer is compacted and both
+  // sets are loaded again (so no vector register lives across the compaction), then the
+  // vectors whose append failed are retried.
+  __device__ __forceinline__ void process(uint4 (&v)[U], uint4 (&nxt)[U], int r, int n_in) {
+    uint32_t pend = (1u << U) - 1u;  // warp-uniform: vectors not yet appended
+#pragma unroll 1
+    for (;;) {
+      uint32_t fails = 0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (!((pend >> u) & 1u)) continue;
+        const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
+        const bool pre = j < n_in && F::any_ge(v[u], tf);
+        if (!__any_sync(kFull, pre)) continue;
+        const uint32_t m = pre ? exact_mask(v[u]) : 0u;
+        if (!warp_insert(v[u], c.seg0 + (1 + j) * VEC, m)) fails |= 1u << u;
+      }
+      if (!__syncthreads_or(fails != 0u)) break;
+      set_thr(compact_buffer<FMT, NT, U>(sh, craw, cidx, cap, kk, thr));
+      load(v, r, n_in);
+      load(nxt, r + 1, n_in);
+      pend = fails;
+    }
+  }
+
+  __device__ __forceinline__ void load(uint4 (&v)[U], int r, int n_in) const {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
+      v[u] = j < n_in ? c.load_interior(1 + j) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+
+  // One pass over this CTA's part: buffer every element with key > thr (thr0 = 0: all;
+  // else from a sample when the part does not fit the buffer).
+  __device__ void stream(bool estimate, int L) {
+    const int tid = threadIdx.x;
+    const int n_in = c.nslots - 2;  // interior slots 1 .. nslots - 2
+    const int R = (n_in + NT * U - 1) / (NT * U);
+    const bool sample = estimate && n_in > 0 && static_cast<uint32_t>(c.hi - c.lo) > cap;
+    uint4 sv = make_uint4(0u, 0u, 0u, 0u);
+    if (sample) sv = c.load_interior(1 + static_cast<int>((static_cast<int64_t>(tid) * n_in) / NT));
+    uint4 A[U], B[U];
+    load(A, 0, n_in);  // in flight during the estimate (B after it: registers)
+    uint32_t t0 = 0;
+    if (sample) {
+      // Histogram of the top 11 key bits of kSamples elements spread over the part.
+      constexpr int SPT = kSamples / NT;  // 4 or 2 per thread
+      constexpr int shift = KB - 11;
+#pragma unroll
+      for (int i = 0; i < SPT; ++i)
+        atomicAdd(&sh.hist[F::key(elem<VEC>(sv, i * (VEC / SPT))) >> shift], 1u);
+      __syncthreads();
+      // Expected sample count among the row's K largest, plus 3 sigma and a floor.
+      const float ks = __fdividef(static_cast<float>(kk) * kSamples, static_cast<float>(L));
+      float sq;
+      asm("sqrt.approx.f32 %0, %1;" : "=f"(sq) : "f"(ks));
+      const uint32_t ts = static_cast<uint32_t>(ks + 3.f * sq + 5.f);
+      if (ts < kSamples) {
+        find_bucket_lean<NT>(sh, sh.hist, ts);
+        const uint32_t b = sh.res_bin;
+        t0 = b ? (b << shift) - 1u : 0u;  // buffer keys >= bucket b's lower edge
+      }
+    }
+    set_thr(t0);
+    if (tid < 32) {  // the two edge slots (lanes 0 and 1 of warp 0)
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      int e0 = 0;
+      uint32_t m = 0;
+      if (tid < 2) {
+        const int s = tid == 0 ? 0 : c.nslots - 1;
+        v = c.load_edge(s);
+        e0 = c.seg0 + s * VEC;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i)
+          m |= static_cast<uint32_t>(c.in(e0 + i) && F::key(elem<VEC>(v, i)) > thr) << i;
+      }
+      warp_insert(v, e0, m);  // the buffer is empty: fits
+    }
+    __syncthreads();
+    load(B, 1, n_in);  // all zero (no loads) when R == 1
+#pragma unroll 1
+    for (int r = 0; r < R; r += 2) {
+      process(A, B, r, n_in);
+      if (r + 2 < R) load(A, r + 2, n_in);
+      if (r + 1 < R) {
+        process(B, A, r + 1, n_in);
+        if (r + 3 < R) load(B, r + 3, n_in);
+      }
+    }
+    __syncthreads();
+  }
+
+  // Writes the selection s of buffer[0, n) (keys >= lo): keys above T to slots
+  // base_gt + ticket, of those equal to T the ones with tickets base_eq + t < s.krem to
+  // slots above_total + base_eq + t.
+  __device__ void emit_pass(const Out<F>& o, uint32_t n, uint32_t lo, const Sel& s, uint32_t base_gt,
+                            uint32_t base_eq, uint32_t above_total) {
+    const int lane = threadIdx.x & 31;
+    const uint32_t lt = (1u << lane) - 1u;
+    for (uint32_t s0 = 0; s0 < n; s0 += NT) {  // uniform trip count: warp collectives inside
+      const uint32_t i = s0 + threadIdx.x;
+      uint32_t raw = 0, key = 0;
+      bool gt = false, eq = false;
+      if (i < n) {
+        raw = craw[i];
+        key = F::key(raw);
+        const uint32_t kp = key >> s.shift;
+        gt = key >= lo && kp > s.T;
+        eq = key >= lo && kp == s.T;
+      }
+      const uint32_t gm = __ballot_sync(kFull, gt), qm = __ballot_sync(kFull, eq);
+      if ((gm | qm) == 0u) continue;
+      uint32_t bg = 0, bq = 0;
+      if (lane == 0) {
+        if (gm) bg = atomicAdd(&sh.tk_gt, __popc(gm));
+        if (qm) bq = atomicAdd(&sh.tk_eq, __popc(qm));
+      }
+      bg = __shfl_sync(kFull, bg, 0);
+      bq = __shfl_sync(kFull, bq, 0);
+      if (gt) o.emit(base_gt + bg + __popc(gm & lt), static_cast<int>(cidx[i]), raw, key);
+      if (eq) {
+        const uint32_t t = base_eq + bq + __popc(qm & lt);
+        if (t < s.krem) o.emit(above_total + t, static_cast<int>(cidx[i]), raw, key);
+      }
+    }
+  }
+};
+
+// Out of line (runs rarely): the streaming loop keeps its registers.
+template <int FMT, int NT, int U>
+__device__ __noinline__ uint32_t compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap,
+                                                uint32_t kk, uint32_t thr) {
+  Ctx<FMT, NT, U> cx{sh, craw, cidx, nullptr, nullptr, {}, 1, 0, 11, cap, kk, thr, 0.f};
+  return cx.compact_now();
+}
+
+template <int FMT, int NT, int U>
+__global__ void __launch_bounds__(NT, NT == 256 ? 4 : 2) topk_kernel(const Params P) {
+  using C_ = Ctx<FMT, NT, U>;
+  using F = typename C_::F;
+  using Raw = typename F::Raw;
+  constexpr int VEC = C_::VEC;
 
   extern __shared__ __align__(16) unsigned char smem[];
   Shared& sh = *reinterpret_cast<Shared*>(smem);
-  unsigned long long* sel = reinterpret_cast<unsigned long long*>(smem + sizeof(Shared));
-  uint4* stage = reinterpret_cast<uint4*>(smem + sizeof(Shared) +
-                                          (P.sorted ? kTopkMaxK * sizeof(unsigned long long) : 0));
+  unsigned char* dyn = smem + sizeof(Shared);
+  unsigned long long* sel = reinterpret_cast<unsigned long long*>(dyn);
+  if (P.sorted) dyn += kTopkMaxK * sizeof(unsigned long long);
+  uint32_t* merged = reinterpret_cast<uint32_t*>(dyn);
+  uint32_t* red = merged + kBins;
+  if (P.G > 1) dyn += (kBins + kBins / 2) * sizeof(uint32_t);
+  uint32_t* craw = reinterpret_cast<uint32_t*>(dyn);
+  uint32_t* cidx = craw + P.C;
 
   const int G = P.G;
   const int lg_g = __ffs(G) - 1;
@@ -424,68 +733,80 @@ __global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params P) {
   const int vpc = (V + G - 1) >> lg_g;
   const int v0 = min(rank * vpc, V), v1 = min(v0 + vpc, V);
   const int seg_start = head + v0 * VEC;
-  Part<F, STAGED> c;
-  c.p = p;
-  c.lo = rank == 0 ? 0 : seg_start;
-  c.hi = rank == G - 1 ? L : head + v1 * VEC;
-  c.seg0 = seg_start - VEC;
-  c.nslots = v1 - v0 + 2;
-  c.stage = stage;
+
+  C_ cx{sh, craw, cidx, red, merged, {}, G, rank, 11 - lg_g, static_cast<uint32_t>(P.C),
+        static_cast<uint32_t>(kk), 0u, 0.f};
+  cx.c.p = p;
+  cx.c.lo = rank == 0 ? 0 : seg_start;
+  cx.c.hi = rank == G - 1 ? L : head + v1 * VEC;
+  cx.c.seg0 = seg_start - VEC;
+  cx.c.nslots = v1 - v0 + 2;
 
   cg::cluster_group cl = cg::this_cluster();
-  Out<F> o;
-  o.values = P.values ? static_cast<Raw*>(P.values) + row * P.k : nullptr;
-  o.indices = P.idx64 ? static_cast<void*>(static_cast<int64_t*>(P.indices) + row * P.k)
-                      : static_cast<void*>(static_cast<int32_t*>(P.indices) + row * P.k);
-  o.sel = G > 1 ? cl.map_shared_rank(sel, 0) : sel;
-  o.idx64 = P.idx64 != 0;
-  o.sorted = P.sorted != 0;
+  auto make_out = [&]() {  // built where used: not live across the streaming loop
+    Out<F> o;
+    o.values = P.values ? static_cast<Raw*>(P.values) + row * P.k : nullptr;
+    o.indices = P.idx64 ? static_cast<void*>(static_cast<int64_t*>(P.indices) + row * P.k)
+                        : static_cast<void*>(static_cast<int32_t*>(P.indices) + row * P.k);
+    o.sel = G > 1 ? cl.map_shared_rank(sel, 0) : sel;
+    o.idx64 = P.idx64 != 0;
+    o.sorted = P.sorted != 0;
+    return o;
+  };
 
-  reinterpret_cast<uint4*>(sh.hist)[tid] = make_uint4(0u, 0u, 0u, 0u);  // kBins == 4 * kThreads
-  if (tid == 0) sh.cnt_gt = sh.cnt_eq = sh.tk_gt = sh.tk_eq = 0;
+#pragma unroll
+  for (int q = 0; q < kBins / (4 * NT); ++q)
+    reinterpret_cast<uint4*>(sh.hist)[q * NT + tid] = make_uint4(0u, 0u, 0u, 0u);
+  if (tid == 0) {
+    sh.cnt = 0;
+    sh.vend = kNone;
+    sh.mx = 0;
+    sh.cnt_gt = sh.cnt_eq = sh.tk_gt = sh.tk_eq = sh.tk_ret = 0;
+  }
   __syncthreads();
 
   bool remote_counters = false;  // unsorted G > 1: arrived after the DSMEM atomics
   if (kk == L) {
     // Every element is selected (L <= k, including L == 0): slot = index.
+    const Out<F> o = make_out();
     if (o.sorted && G > 1) cluster_sync();  // rank 0 is running before its buffer is written
-    for (int e = c.lo + tid; e < c.hi; e += kThreads) {
+    for (int e = cx.c.lo + tid; e < cx.c.hi; e += NT) {
       const uint32_t raw = __ldg(p + e);
       o.emit(e, e, raw, F::key(raw));
     }
   } else {
-    // Radix select of the K = kk largest keys.
-    uint32_t prefix = 0, krem = kk, gt_local = 0, eq_local = 0;
-    int shift = KB;
-    const uint32_t* M = G > 1 ? sh.merged : sh.hist;
-    const int lg_slice = 11 - lg_g;
-#pragma unroll
-    for (int level = 0; level < kLevels; ++level) {
-      const int bits = digit_bits(KB, level);
-      const int pshift = shift;
-      shift -= bits;
-      if (level == 0) {
-        hist_pass<true>(c, sh.hist, 0, 0u, shift, kBins - 1);
-      } else {
-        reinterpret_cast<uint4*>(sh.hist)[tid] = make_uint4(0u, 0u, 0u, 0u);
-        __syncthreads();
-        hist_pass<false>(c, sh.hist, pshift, prefix, shift, (1u << bits) - 1u);
+    Sel s{};
+    uint32_t D = 0, n = 0;
+#pragma unroll 1
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      cx.stream(attempt == 0, L);
+      n = sh.cnt;  // <= C (the last round fitted)
+      cx.buffer_max(n);
+      D = cx.thr;
+      uint32_t MX = sh.mx;
+      if (G > 1) {
+        if (tid == 0) sh.dr = cx.thr;
+        cluster_sync();
+        for (int r = 0; r < G; ++r) {
+          D = max(D, *cl.map_shared_rank(&sh.dr, r));
+          MX = max(MX, *cl.map_shared_rank(&sh.mx, r));
+        }
+      }
+      s = cx.select(n, D, MX, static_cast<uint32_t>(kk), G > 1);
+      if (s.ok) break;
+      // Fewer than K candidates above the estimate: stream again, keeping everything.
+      if (tid == 0) {
+        sh.cnt = 0;
+        sh.mx = 0;
       }
       __syncthreads();
-      if (G > 1) merge_histograms(sh, G, lg_slice, rank);
-      find_bucket(sh, M, sh.hist, krem);
-      const uint32_t b = sh.res_bin, above = sh.res_above, cnt = sh.res_cnt;
-      gt_local += sh.res_lab;
-      eq_local = sh.res_lcnt;
-      prefix = (prefix << bits) | b;
-      krem -= above;
-      if (cnt == krem) break;  // the whole bucket is selected
     }
+    const Out<F> o = make_out();
     uint32_t base_gt = 0, base_eq = 0;
     if (G > 1) {
       if (tid == 0) {
-        sh.base_gt = atomicAdd(cl.map_shared_rank(&sh.cnt_gt, 0), gt_local);
-        sh.base_eq = atomicAdd(cl.map_shared_rank(&sh.cnt_eq, 0), eq_local);
+        sh.base_gt = atomicAdd(cl.map_shared_rank(&sh.cnt_gt, 0), s.gt_local);
+        sh.base_eq = atomicAdd(cl.map_shared_rank(&sh.cnt_eq, 0), s.eq_local);
       }
       __syncthreads();
       base_gt = sh.base_gt;
@@ -495,13 +816,14 @@ __global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params P) {
         remote_counters = true;
       }
     }
-    select_pass(c, sh, o, shift, prefix, base_gt, base_eq, kk - krem, krem);
+    cx.emit_pass(o, n, D, s, base_gt, base_eq, static_cast<uint32_t>(kk) - s.krem);
   }
 
+  const Out<F> o = make_out();
   if (rank == 0) {
     Out<F> og = o;
     og.sorted = false;
-    for (int pos = kk + tid; pos < P.k; pos += kThreads) og.pad(pos);
+    for (int pos = kk + tid; pos < P.k; pos += NT) og.pad(pos);
   }
   if (o.sorted) {
     if (G > 1) {
@@ -512,12 +834,12 @@ __global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params P) {
     if (rank != 0 || kk == 0) return;
     int n = 1;
     while (n < kk) n <<= 1;
-    for (int i = kk + tid; i < n; i += kThreads) sel[i] = 0ull;  // below every real pair
+    for (int i = kk + tid; i < n; i += NT) sel[i] = 0ull;  // below every real pair
     __syncthreads();
-    sort_desc(sel, n);
+    sort_desc<NT>(sel, n);
     Out<F> og = o;
     og.sorted = false;
-    for (int i = tid; i < kk; i += kThreads) {
+    for (int i = tid; i < kk; i += NT) {
       const int e = static_cast<int>(static_cast<uint32_t>(sel[i]));
       og.emit(i, e, og.values ? __ldg(p + e) : 0u, 0u);
     }
@@ -528,6 +850,8 @@ __global__ void __launch_bounds__(kThreads, 2) topk_kernel(const Params P) {
 
 int elem_size(TopkDtype d) { return d == TopkDtype::kF32 ? 4 : 2; }
 
+constexpr int kU = 4;  // 16-byte loads per thread and set (two sets in flight)
+
 // Opts every kernel variant into large dynamic shared memory, once per device (on the
 // first call, so that a later first use of a variant inside a graph capture needs no
 // attribute call).
@@ -536,24 +860,24 @@ void set_smem_attributes() {
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev < 64 && done[dev]) return;
-  const void* kernels[] = {reinterpret_cast<const void*>(topk_kernel<0, true>),
-                           reinterpret_cast<const void*>(topk_kernel<0, false>),
-                           reinterpret_cast<const void*>(topk_kernel<1, true>),
-                           reinterpret_cast<const void*>(topk_kernel<1, false>),
-                           reinterpret_cast<const void*>(topk_kernel<2, true>),
-                           reinterpret_cast<const void*>(topk_kernel<2, false>)};
+  const void* kernels[] = {reinterpret_cast<const void*>(topk_kernel<0, 256, kU>),
+                           reinterpret_cast<const void*>(topk_kernel<0, 512, kU>),
+                           reinterpret_cast<const void*>(topk_kernel<1, 256, kU>),
+                           reinterpret_cast<const void*>(topk_kernel<1, 512, kU>),
+                           reinterpret_cast<const void*>(topk_kernel<2, 256, kU>),
+                           reinterpret_cast<const void*>(topk_kernel<2, 512, kU>)};
   for (const void* kern : kernels)
-    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemOnePerSm),
+    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024),
                "topk: cudaFuncSetAttribute");
   if (dev < 64) done[dev] = true;
 }
 
-template <int FMT, bool STAGED>
+template <int FMT, int NT>
 void launch(const Params& P, int64_t B, int smem, cudaStream_t stream) {
-  auto kern = topk_kernel<FMT, STAGED>;
+  auto kern = topk_kernel<FMT, NT, kU>;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(B * P.G), 1, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.blockDim = dim3(NT, 1, 1);
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -567,22 +891,23 @@ void launch(const Params& P, int64_t B, int smem, cudaStream_t stream) {
   check_launch("topk");
 }
 
+// Candidate buffer entries: >= 2k (room to append between compactions); 5632 keeps a
+// 256-thread CTA at <= 55 KB, four per SM.
+int buffer_entries(int k) { return k <= 2048 ? 5632 : 2 * k + 1024; }
+
 }  // namespace
 
-TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, bool sorted) {
-  const int vec = 16 / elem_size(dtype);
-  const int64_t fixed = static_cast<int64_t>(sizeof(Shared)) +
-                        (sorted ? kTopkMaxK * static_cast<int64_t>(sizeof(unsigned long long)) : 0);
-  const int64_t nvec = N / vec;
-  auto stage_bytes = [&](int g) { return (ceil_div<int64_t>(nvec, g) + 2) * 16; };
+TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted) {
+  (void)dtype;
   const int64_t sms = num_sms();
-  int g = 1;  // parallelism: about two CTAs per SM, parts of at least kMinSegment elements
-  while (g < kMaxCluster && B * g < 2 * sms && N / (2 * g) >= kMinSegment) g *= 2;
-  for (int64_t budget : {static_cast<int64_t>(kSmemTwoPerSm), static_cast<int64_t>(kSmemOnePerSm)})
-    for (int G = g; G <= kMaxCluster; G *= 2)
-      if (fixed + stage_bytes(G) <= budget)
-        return TopkPlan{G, true, static_cast<int>(fixed + stage_bytes(G))};
-  return TopkPlan{g, false, static_cast<int>(fixed)};
+  int g = 1;  // double while the grid stays within about one wave (two 512-thread CTAs per SM)
+  while (g < kMaxCluster && B * 2 * g <= 2 * sms && N / (2 * g) >= kMinPart) g *= 2;
+  const int nt = g > 1 ? 512 : 256;
+  const int C = buffer_entries(k);
+  const int64_t smem = static_cast<int64_t>(sizeof(Shared)) +
+                       (sorted ? kTopkMaxK * static_cast<int64_t>(sizeof(unsigned long long)) : 0) +
+                       (g > 1 ? (kBins + kBins / 2) * 4 : 0) + 8 * static_cast<int64_t>(C);
+  return TopkPlan{g, nt, static_cast<int>(smem)};
 }
 
 void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int k,
@@ -591,7 +916,7 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
   if (B <= 0) return;
   if (k < 1 || k > kTopkMaxK) throw std::runtime_error("deepfuse: topk: k must be in [1, 4096]");
   if (N < 0 || N >= (int64_t{1} << 31)) throw std::runtime_error("deepfuse: topk: N must be < 2^31");
-  const TopkPlan plan = topk_plan(dtype, B, N, sorted);
+  const TopkPlan plan = topk_plan(dtype, B, N, k, sorted);
   if (B * plan.ctas_per_row >= (int64_t{1} << 31)) throw std::runtime_error("deepfuse: topk: too many rows");
   Params P;
   P.x = x;
@@ -602,18 +927,20 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
   P.N = static_cast<int>(N);
   P.k = k;
   P.G = plan.ctas_per_row;
+  P.C = buffer_entries(k);
   P.idx64 = idx64;
   P.sorted = sorted;
   set_smem_attributes();
+  const bool wide = plan.threads == 512;
   switch (dtype) {
     case TopkDtype::kBf16:
-      plan.staged ? launch<0, true>(P, B, plan.smem_bytes, stream) : launch<0, false>(P, B, plan.smem_bytes, stream);
+      wide ? launch<0, 512>(P, B, plan.smem_bytes, stream) : launch<0, 256>(P, B, plan.smem_bytes, stream);
       break;
     case TopkDtype::kF16:
-      plan.staged ? launch<1, true>(P, B, plan.smem_bytes, stream) : launch<1, false>(P, B, plan.smem_bytes, stream);
+      wide ? launch<1, 512>(P, B, plan.smem_bytes, stream) : launch<1, 256>(P, B, plan.smem_bytes, stream);
       break;
     case TopkDtype::kF32:
-      plan.staged ? launch<2, true>(P, B, plan.smem_bytes, stream) : launch<2, false>(P, B, plan.smem_bytes, stream);
+      wide ? launch<2, 512>(P, B, plan.smem_bytes, stream) : launch<2, 256>(P, B, plan.smem_bytes, stream);
       break;
     default:
       throw std::runtime_error("deepfuse: topk: bad dtype code");

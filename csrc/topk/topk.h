@@ -20,13 +20,12 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
           cudaStream_t stream);
 
 // The launch plan topk() uses (for tests and benchmarks): CTAs per row (a thread-block
-// cluster when > 1), whether each CTA stages its part of the row in shared memory, and
-// the dynamic shared memory per CTA in bytes.
+// cluster when > 1), threads per CTA and the dynamic shared memory per CTA in bytes.
 struct TopkPlan {
   int ctas_per_row;
-  bool staged;
+  int threads;
   int smem_bytes;
 };
-TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, bool sorted);
+TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted);
 
 }  // namespace deepfuse

@@ -102,10 +102,10 @@ def _(x, k, lengths, sorted, indices, values):
     return None
 
 
-def launch_plan(dtype: torch.dtype, B: int, N: int, sorted: bool = False) -> tuple[int, bool, int]:
-    """The CUDA kernel's plan for a shape (needs a GPU): (CTAs per row, row part staged in
-    shared memory, shared memory bytes per CTA)."""
-    return tuple(_ext.ext(torch.device("cuda")).topk_plan(_DTYPES.index(dtype), B, N, sorted))
+def launch_plan(dtype: torch.dtype, B: int, N: int, k: int, sorted: bool = False) -> tuple[int, int, int]:
+    """The CUDA kernel's plan for a shape (needs a GPU): (CTAs per row, threads per CTA,
+    shared memory bytes per CTA)."""
+    return tuple(_ext.ext(torch.device("cuda")).topk_plan(_DTYPES.index(dtype), B, N, k, sorted))
 
 
 def _launch(x, k, lengths, sorted, indices, values):
