@@ -379,6 +379,23 @@ def test_gpu_adversarial_order(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_gpu_threshold_at_signed_zero(dtype):
+    # the K-th largest is 0: thresholds at key(-0.0) / key(+0.0), where the float compare
+    # and the key order differ (-0.0 == +0.0 as floats); rows long enough to stream
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    for B, N, k in [(1, 40000, 3000), (3, 131072, 4096), (200, 20000, 1500)]:
+        x = torch.randn(B, N, generator=gen, device="cuda").abs() + 0.5
+        u = torch.rand(B, N, generator=gen, device="cuda")
+        x = torch.where(u < 0.9, torch.zeros_like(x), x)  # ~10% positive values
+        x = torch.where(u < 0.45, -torch.zeros_like(x), x)  # half of the zeros negative
+        x = x.to(dtype)
+        for j, kk in enumerate((k, N // 10, N // 2)):
+            kk = max(1, min(kk, 4096))
+            run_case(dtype, B, N, kk, x=x, sorted_=j == 2, use_lengths=j == 1, seed=j)
+
+
+@pytest.mark.gpu
 def test_gpu_plans_cover_every_cluster_size():
     seen = set()
     for B, N in [(512, 8192), (1, 8192), (64, 32768), (128, 131072), (1, 131072), (512, 131072), (16, 262144),

@@ -21,20 +21,22 @@
 //             expected count above it is a few standard deviations over this part's share
 //             of K. Only a speed hint: every case below stays exact.
 //   stream    the part is read once from HBM (16-byte loads, two sets of U per thread in
-//             flight). A float compare against thr drops almost every element; the few that
-//             pass are checked on their exact key (key > thr) and appended to the buffer
-//             (warp-scanned counts, one shared atomic per warp).
+//             flight). A float compare against thr (exact while thr < key(+inf); else the
+//             keys are compared) drops almost every element; the survivors are appended
+//             to the buffer (warp-scanned counts, one shared atomic per warp).
 //   compact   when an append does not fit (warp reservations past C fail and are retried),
 //             the CTA selects the K largest buffered keys (radix select over the buffer),
-//             keeps exactly those and raises thr to their threshold. Invariant: every
-//             dropped element has key <= thr, and once thr > 0 the buffer holds >= K
-//             elements with key >= thr; so the buffer always contains a valid top-K.
+//             keeps exactly those and raises thr to their threshold. Invariants: every
+//             dropped element has key <= thr; every buffered key is >= thr; after a
+//             compaction the buffer holds >= K keys >= thr (a valid top-K of the part).
 //   select    D = the largest thr of the row's CTAs (DSMEM exchange for G > 1). A radix
 //             select over the buffered keys >= D (11-bit digits starting below the common
-//             prefix of D and the row's largest buffered key, so candidates spread over
+//             prefix of the smallest and largest buffered keys, so candidates spread over
 //             the bins; histograms merged over DSMEM for G > 1) finds the K-th key. If
 //             fewer than K candidates are >= D (the estimate was too high), the row is
 //             streamed again with thr = 0 (exact by the invariant).
+//   histograms (sample, select): lanes of a warp with the same bin are merged first
+//             (match.any), one shared atomic per distinct bin.
 //   output    candidates above the threshold prefix take slots by ticket; of those equal
 //             to it, as many as still needed. Slot bases across CTAs: one atomic per CTA on
 //             rank 0's counters (DSMEM).
@@ -73,14 +75,16 @@ struct Fmt<0> {  // bf16
     return (r & 0x7FFFu) > 0x7F80u ? 0xFFFFu : k;
   }
   __device__ __forceinline__ static float to_float(uint32_t r) { return __uint_as_float(r << 16); }
-  // True if some element of v is >= t or NaN.
-  __device__ __forceinline__ static bool any_ge(const uint4& v, float t) {
+  // Bit i: element i of v is not below t (NaN included).
+  __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    bool p = false;
+    uint32_t m = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      p |= !(__uint_as_float(w[i] << 16) < t) || !(__uint_as_float(w[i] & 0xFFFF0000u) < t);
-    return p;
+    for (int i = 0; i < 4; ++i) {
+      m |= static_cast<uint32_t>(!(__uint_as_float(w[i] << 16) < t)) << (2 * i);
+      m |= static_cast<uint32_t>(!(__uint_as_float(w[i] & 0xFFFF0000u) < t)) << (2 * i + 1);
+    }
+    return m;
   }
 };
 template <>
@@ -96,12 +100,15 @@ struct Fmt<1> {  // fp16
   __device__ __forceinline__ static float to_float(uint32_t r) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(r)));
   }
-  __device__ __forceinline__ static bool any_ge(const uint4& v, float t) {
+  __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    bool p = false;
+    uint32_t m = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) p |= !(to_float(w[i] & 0xFFFFu) < t) || !(to_float(w[i] >> 16) < t);
-    return p;
+    for (int i = 0; i < 4; ++i) {
+      m |= static_cast<uint32_t>(!(to_float(w[i] & 0xFFFFu) < t)) << (2 * i);
+      m |= static_cast<uint32_t>(!(to_float(w[i] >> 16) < t)) << (2 * i + 1);
+    }
+    return m;
   }
 };
 template <>
@@ -115,17 +122,20 @@ struct Fmt<2> {  // fp32
     return (r & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFFFFFFu : k;
   }
   __device__ __forceinline__ static float to_float(uint32_t r) { return __uint_as_float(r); }
-  __device__ __forceinline__ static bool any_ge(const uint4& v, float t) {
-    return !(__uint_as_float(v.x) < t) || !(__uint_as_float(v.y) < t) || !(__uint_as_float(v.z) < t) ||
-           !(__uint_as_float(v.w) < t);
+  __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
+    return static_cast<uint32_t>(!(__uint_as_float(v.x) < t)) |
+           static_cast<uint32_t>(!(__uint_as_float(v.y) < t)) << 1 |
+           static_cast<uint32_t>(!(__uint_as_float(v.z) < t)) << 2 |
+           static_cast<uint32_t>(!(__uint_as_float(v.w) < t)) << 3;
   }
 };
 
 // x >> s for s in [0, 32].
 __device__ __forceinline__ uint32_t shr(uint32_t x, int s) { return s >= 32 ? 0u : x >> s; }
 
-// A float t such that key(x) > thr implies !(x < t) (NaN passes any compare with `!(x < t)`):
-// the value of key thr + 1, clamped to [-inf, +inf].
+// The value t of key thr + 1, clamped to [-inf, +inf]: key(x) > thr implies !(x < t) (NaN
+// included). For thr < key(+inf) the converse holds too, except for x = -0.0 when
+// thr = key(-0.0) (then key(x) == thr: a harmless extra candidate).
 template <class F>
 __device__ __forceinline__ float thr_float(uint32_t thr) {
   const uint32_t t1 = thr >= F::kKeyPosInf ? F::kKeyPosInf : max(thr + 1u, F::kKeyNegInf);
@@ -141,6 +151,7 @@ struct __align__(16) Shared {
   uint32_t cnt;   // buffer reservation counter
   uint32_t vend;  // lowest base of a failed reservation (kNone: none)
   uint32_t mx;    // largest buffered key
+  uint32_t mn;    // smallest buffered key (kNone: empty)
   uint32_t dr;    // this CTA's drop threshold (read by the cluster)
   uint32_t cnt_gt, cnt_eq;  // rank 0: cluster-wide output slot counters
   uint32_t tk_gt, tk_eq, tk_ret;
@@ -184,6 +195,27 @@ __device__ __forceinline__ uint32_t elem(const uint4& v, int i) {
     return (w[i >> 1] >> ((i & 1) * 16)) & 0xFFFFu;
   } else {
     return w[i];
+  }
+}
+
+// Element i of a 16-byte vector, i known only at run time (selects, no local memory).
+template <int VEC>
+__device__ __forceinline__ uint32_t elem_dyn(const uint4& v, int i) {
+  if constexpr (VEC == 8) {
+    const uint32_t w = (i & 4) ? ((i & 2) ? v.w : v.z) : ((i & 2) ? v.y : v.x);
+    return (i & 1) ? (w >> 16) : (w & 0xFFFFu);
+  } else {
+    return (i & 2) ? ((i & 1) ? v.w : v.z) : ((i & 1) ? v.y : v.x);
+  }
+}
+
+// Adds 1 to h[bin] for every active lane; lanes of a warp with the same bin are merged
+// first (one shared atomic per distinct bin: skewed bins do not serialise). Warp-collective.
+__device__ __forceinline__ void hist_add(uint32_t* h, uint32_t bin, bool active) {
+  const uint32_t act = __ballot_sync(kFull, active);
+  if (active) {
+    const uint32_t peers = __match_any_sync(act, bin);
+    if ((threadIdx.x & 31u) == static_cast<uint32_t>(__ffs(peers) - 1)) atomicAdd(&h[bin], __popc(peers));
   }
 }
 
@@ -408,18 +440,24 @@ struct Ctx {
   int G, rank, lg_slice;
   uint32_t cap, kk;
   uint32_t thr;  // drop threshold: elements with key <= thr are not buffered
-  float tf;      // float pre-filter for thr
+  float tf;      // thr as a float compare (exact while fast)
+  bool fast;     // thr < key(+inf): the float compare decides
 
   __device__ __forceinline__ void set_thr(uint32_t t) {
     thr = t;
     tf = thr_float<F>(t);
+    fast = t < F::kKeyPosInf;
   }
 
-  // Appends this warp's elements of mask m (bit i: element e0 + i of v). Warp-collective.
-  // Returns false (for the whole warp) if the reservation does not fit the buffer.
-  __device__ __forceinline__ bool warp_insert(const uint4& v, int e0, uint32_t m) {
+  // Appends this warp's elements of masks m[q] (bit i: element e0[q] + i of v[q]) with one
+  // reservation (at most 32 * NV * VEC <= 1024 entries). Warp-collective. Returns false (for
+  // the whole warp, nothing written) if the reservation does not fit the buffer.
+  template <int NV>
+  __device__ __forceinline__ bool warp_insert(const uint4 (&v)[NV], const int (&e0)[NV], const uint32_t (&m)[NV]) {
     const int lane = threadIdx.x & 31;
-    const uint32_t n = __popc(m);
+    uint32_t n = 0;
+#pragma unroll
+    for (int q = 0; q < NV; ++q) n += __popc(m[q]);
     uint32_t incl = n;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -437,11 +475,11 @@ struct Ctx {
     if (base + total > cap) return false;
     uint32_t pos = base + incl - n;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      if ((m >> i) & 1u) {
-        craw[pos] = elem<VEC>(v, i);
-        cidx[pos] = static_cast<uint32_t>(e0 + i);
-        ++pos;
+    for (int q = 0; q < NV; ++q) {
+      for (uint32_t mm = m[q]; mm; mm &= mm - 1u, ++pos) {  // usually zero or one bit
+        const int i = __ffs(mm) - 1;
+        craw[pos] = elem_dyn<VEC>(v[q], i);
+        cidx[pos] = static_cast<uint32_t>(e0[q] + i);
       }
     }
     return true;
@@ -454,26 +492,37 @@ struct Ctx {
     return m;
   }
 
-  // Largest key of buffer[0, n) into sh.mx (sh.mx == 0 before). Ends with a barrier.
-  __device__ __forceinline__ void buffer_max(uint32_t n) {
-    uint32_t m = 0;
-    for (uint32_t i = threadIdx.x; i < n; i += NT) m = max(m, F::key(craw[i]));
-    m = __reduce_max_sync(kFull, m);
-    if ((threadIdx.x & 31) == 0 && m) atomicMax(&sh.mx, m);
+  // Largest and smallest key of buffer[0, n) into sh.mx, sh.mn (0 and kNone before).
+  // Ends with a barrier.
+  __device__ __forceinline__ void buffer_range(uint32_t n) {
+    uint32_t hi = 0, lo = kNone;
+    for (uint32_t i = threadIdx.x; i < n; i += NT) {
+      const uint32_t key = F::key(craw[i]);
+      hi = max(hi, key);
+      lo = min(lo, key);
+    }
+    hi = __reduce_max_sync(kFull, hi);
+    lo = __reduce_min_sync(kFull, lo);
+    if ((threadIdx.x & 31) == 0) {
+      if (hi) atomicMax(&sh.mx, hi);
+      if (lo != kNone) atomicMin(&sh.mn, lo);
+    }
     __syncthreads();
   }
 
   // Radix select of the `need` largest keys >= lo of buffer[0, n) (of every CTA's buffer if
-  // cluster). All keys >= lo are <= hi. ok = false if fewer than `need` keys are >= lo.
-  __device__ __forceinline__ Sel select(uint32_t n, uint32_t lo, uint32_t hi, uint32_t need, bool cluster) {
+  // cluster). Every key >= lo lies in [base, hi] (base >= lo). ok = false if fewer than
+  // `need` keys are >= lo.
+  __device__ __forceinline__ Sel select(uint32_t n, uint32_t lo, uint32_t base, uint32_t hi, uint32_t need,
+                                        bool cluster) {
     const int tid = threadIdx.x;
     int start = KB;
-    if (hi >= lo) {
-      const uint32_t d = lo ^ hi;
+    if (hi >= base) {
+      const uint32_t d = base ^ hi;
       start = d ? 32 - __clz(d) : 0;
     }
-    start = max(start, 11);  // at least one level; keys in [lo, hi] share key >> start
-    uint32_t prefix = shr(lo, start), krem = need, gt_local = 0, eq_local = 0;
+    start = max(start, 11);  // at least one level; keys in [base, hi] share key >> start
+    uint32_t prefix = shr(base, start), krem = need, gt_local = 0, eq_local = 0;
     int shift = start;
     if (tid == 0) sh.tk_gt = sh.tk_eq = sh.tk_ret = 0;
     const uint32_t* M = cluster ? merged : sh.hist;
@@ -487,9 +536,10 @@ struct Ctx {
       for (int q = 0; q < kBins / (4 * NT); ++q)
         reinterpret_cast<uint4*>(sh.hist)[q * NT + tid] = make_uint4(0u, 0u, 0u, 0u);
       __syncthreads();
-      for (uint32_t i = tid; i < n; i += NT) {
-        const uint32_t key = F::key(craw[i]);
-        if (key >= lo && shr(key, pshift) == prefix) atomicAdd(&sh.hist[(key >> shift) & mask], 1u);
+      for (uint32_t s0 = 0; s0 < n; s0 += NT) {  // uniform trip count: warp collectives inside
+        const uint32_t i = s0 + tid;
+        const uint32_t key = i < n ? F::key(craw[i]) : 0u;
+        hist_add(sh.hist, (key >> shift) & mask, i < n && key >= lo && shr(key, pshift) == prefix);
       }
       __syncthreads();
       if (cluster) merge_histograms<NT>(sh, red, merged, G, lg_slice, rank);
@@ -541,46 +591,51 @@ struct Ctx {
   }
 
   // The buffer overflowed: keep its K largest keys and raise thr. Block-collective.
-  // A warp appends at most 32 * VEC <= 256 entries, so n >= C - 255 > K.
+  // A warp appends at most 1024 entries at once, so n >= C - 1023 > K, and after the
+  // compaction at least one retried append fits (C - K >= 1024).
   __device__ __forceinline__ uint32_t compact_now() {
     const uint32_t n = sh.vend;  // entries [0, n) are written
-    buffer_max(n);
+    buffer_range(n);
     const uint32_t lo = thr;
-    const Sel s = select(n, lo, sh.mx, kk, false);  // n > K keys >= lo: cannot fail
+    const Sel s = select(n, lo, max(lo, sh.mn), sh.mx, kk, false);  // n > K keys >= lo: cannot fail
     compact_pass(n, lo, s);
     __syncthreads();
     if (threadIdx.x == 0) {
       sh.cnt = kk;
       sh.vend = kNone;
       sh.mx = 0;
+      sh.mn = kNone;
     }
     __syncthreads();
     return max(lo, s.T << s.shift);  // the K kept keys are >= both
   }
 
-  // Filters the U vectors of round r (interior slots 1 + (r*U + u)*NT + tid) into the buffer;
-  // `nxt` holds round r + 1 (in flight). On an overflow the buffer is compacted and both
-  // sets are loaded again (so no vector register lives across the compaction), then the
-  // vectors whose append failed are retried.
+  // Filters the U vectors of round r (interior slots 1 + (r*U + u)*NT + tid) into the buffer
+  // (one append per warp and round); `nxt` holds round r + 1 (in flight). On an overflow the
+  // buffer is compacted and both sets are loaded again (so no vector register lives across
+  // the compaction), then the warps whose append failed retry with the new threshold.
   __device__ __forceinline__ void process(uint4 (&v)[U], uint4 (&nxt)[U], int r, int n_in) {
-    uint32_t pend = (1u << U) - 1u;  // warp-uniform: vectors not yet appended
+    bool pend = true;  // warp-uniform: this round not yet appended
 #pragma unroll 1
     for (;;) {
-      uint32_t fails = 0;
+      uint32_t m[U];
+      int e0[U];
+      bool any = false;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (!((pend >> u) & 1u)) continue;
         const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
-        const bool pre = j < n_in && F::any_ge(v[u], tf);
-        if (!__any_sync(kFull, pre)) continue;
-        const uint32_t m = pre ? exact_mask(v[u]) : 0u;
-        if (!warp_insert(v[u], c.seg0 + (1 + j) * VEC, m)) fails |= 1u << u;
+        e0[u] = c.seg0 + (1 + j) * VEC;
+        m[u] = 0;
+        if (pend && j < n_in) m[u] = fast ? F::ge_mask(v[u], tf) : exact_mask(v[u]);
+        any |= m[u] != 0u;
       }
-      if (!__syncthreads_or(fails != 0u)) break;
+      bool failed = false;
+      if (__any_sync(kFull, any)) failed = !warp_insert<U>(v, e0, m);
+      if (!__syncthreads_or(failed)) break;
       set_thr(compact_buffer<FMT, NT, U>(sh, craw, cidx, cap, kk, thr));
       load(v, r, n_in);
       load(nxt, r + 1, n_in);
-      pend = fails;
+      pend = failed;
     }
   }
 
@@ -603,14 +658,16 @@ struct Ctx {
     if (sample) sv = c.load_interior(1 + static_cast<int>((static_cast<int64_t>(tid) * n_in) / NT));
     uint4 A[U], B[U];
     load(A, 0, n_in);  // in flight during the estimate (B after it: registers)
+    uint4 ev = make_uint4(0u, 0u, 0u, 0u);  // the two edge slots (lanes 0 and 1 of warp 0)
+    const int es = tid == 0 ? 0 : c.nslots - 1;
+    if (tid < 2) ev = c.load_edge(es);
     uint32_t t0 = 0;
     if (sample) {
       // Histogram of the top 11 key bits of kSamples elements spread over the part.
       constexpr int SPT = kSamples / NT;  // 4 or 2 per thread
       constexpr int shift = KB - 11;
 #pragma unroll
-      for (int i = 0; i < SPT; ++i)
-        atomicAdd(&sh.hist[F::key(elem<VEC>(sv, i * (VEC / SPT))) >> shift], 1u);
+      for (int i = 0; i < SPT; ++i) hist_add(sh.hist, F::key(elem<VEC>(sv, i * (VEC / SPT))) >> shift, true);
       __syncthreads();
       // Expected sample count among the row's K largest, plus 3 sigma and a floor.
       const float ks = __fdividef(static_cast<float>(kk) * kSamples, static_cast<float>(L));
@@ -624,19 +681,16 @@ struct Ctx {
       }
     }
     set_thr(t0);
-    if (tid < 32) {  // the two edge slots (lanes 0 and 1 of warp 0)
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      int e0 = 0;
-      uint32_t m = 0;
+    if (tid < 32) {
+      const uint4 v1[1] = {ev};
+      const int e1[1] = {c.seg0 + es * VEC};
+      uint32_t m1[1] = {0u};
       if (tid < 2) {
-        const int s = tid == 0 ? 0 : c.nslots - 1;
-        v = c.load_edge(s);
-        e0 = c.seg0 + s * VEC;
 #pragma unroll
         for (int i = 0; i < VEC; ++i)
-          m |= static_cast<uint32_t>(c.in(e0 + i) && F::key(elem<VEC>(v, i)) > thr) << i;
+          m1[0] |= static_cast<uint32_t>(c.in(e1[0] + i) && F::key(elem<VEC>(ev, i)) > thr) << i;
       }
-      warp_insert(v, e0, m);  // the buffer is empty: fits
+      warp_insert<1>(v1, e1, m1);  // the buffer is empty: fits
     }
     __syncthreads();
     load(B, 1, n_in);  // all zero (no loads) when R == 1
@@ -692,7 +746,7 @@ struct Ctx {
 template <int FMT, int NT, int U>
 __device__ __noinline__ uint32_t compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap,
                                                 uint32_t kk, uint32_t thr) {
-  Ctx<FMT, NT, U> cx{sh, craw, cidx, nullptr, nullptr, {}, 1, 0, 11, cap, kk, thr, 0.f};
+  Ctx<FMT, NT, U> cx{sh, craw, cidx, nullptr, nullptr, {}, 1, 0, 11, cap, kk, thr, 0.f, true};
   return cx.compact_now();
 }
 
@@ -735,7 +789,7 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 2) topk_kernel(const Param
   const int seg_start = head + v0 * VEC;
 
   C_ cx{sh, craw, cidx, red, merged, {}, G, rank, 11 - lg_g, static_cast<uint32_t>(P.C),
-        static_cast<uint32_t>(kk), 0u, 0.f};
+        static_cast<uint32_t>(kk), 0u, 0.f, true};
   cx.c.p = p;
   cx.c.lo = rank == 0 ? 0 : seg_start;
   cx.c.hi = rank == G - 1 ? L : head + v1 * VEC;
@@ -761,6 +815,7 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 2) topk_kernel(const Param
     sh.cnt = 0;
     sh.vend = kNone;
     sh.mx = 0;
+    sh.mn = kNone;
     sh.cnt_gt = sh.cnt_eq = sh.tk_gt = sh.tk_eq = sh.tk_ret = 0;
   }
   __syncthreads();
@@ -781,23 +836,25 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 2) topk_kernel(const Param
     for (int attempt = 0; attempt < 2; ++attempt) {
       cx.stream(attempt == 0, L);
       n = sh.cnt;  // <= C (the last round fitted)
-      cx.buffer_max(n);
+      cx.buffer_range(n);
       D = cx.thr;
-      uint32_t MX = sh.mx;
+      uint32_t MX = sh.mx, MN = sh.mn;
       if (G > 1) {
         if (tid == 0) sh.dr = cx.thr;
         cluster_sync();
         for (int r = 0; r < G; ++r) {
           D = max(D, *cl.map_shared_rank(&sh.dr, r));
           MX = max(MX, *cl.map_shared_rank(&sh.mx, r));
+          MN = min(MN, *cl.map_shared_rank(&sh.mn, r));
         }
       }
-      s = cx.select(n, D, MX, static_cast<uint32_t>(kk), G > 1);
+      s = cx.select(n, D, max(D, MN), MX, static_cast<uint32_t>(kk), G > 1);
       if (s.ok) break;
       // Fewer than K candidates above the estimate: stream again, keeping everything.
       if (tid == 0) {
         sh.cnt = 0;
         sh.mx = 0;
+        sh.mn = kNone;
       }
       __syncthreads();
     }
@@ -847,8 +904,6 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 2) topk_kernel(const Param
     cluster_wait();
   }
 }
-
-int elem_size(TopkDtype d) { return d == TopkDtype::kF32 ? 4 : 2; }
 
 constexpr int kU = 4;  // 16-byte loads per thread and set (two sets in flight)
 
