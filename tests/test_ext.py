@@ -24,3 +24,16 @@ def test_wrong_arch_error(monkeypatch):
     with pytest.raises(RuntimeError, match="sm_75"):
         _ext._check_device(0)
     _ext._check_device.cache_clear()
+
+
+def test_every_op_runs_on_cuda_tensors():
+    # Each deepfuse op needs a CUDA kernel or the reference registered for all devices;
+    # a CPU-only registration would fail on the GPU with "Could not run ... CUDA backend".
+    import deepfuse.ops  # noqa: F401  (registers the ops)
+
+    quals = sorted({n.split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("deepfuse::")})
+    assert len(quals) >= 10, quals
+    for qual in quals:
+        has = any(torch._C._dispatch_has_kernel_for_dispatch_key(qual, k)
+                  for k in ("CUDA", "CompositeExplicitAutograd", "CompositeImplicitAutograd"))
+        assert has, f"{qual} has no kernel that serves CUDA tensors"

@@ -1,7 +1,7 @@
 """Registers deepfuse ops with the PyTorch dispatcher.
 
 `@op(name, schema)` defines `deepfuse::name`, takes the decorated function (the pure-torch
-reference) as the CPU implementation, and returns an object with `register_kernel("cuda")`
+reference) as the implementation for every device without a kernel of its own (the CPU), and returns an object with `register_kernel("cuda")`
 and `register_fake` decorators that is callable like the op, as torch.library.custom_op's.
 Without a schema it is inferred from the type annotations (mutated args: `mutates_args`).
 Registering through torch.library.Library directly costs a few microseconds less per call
@@ -22,7 +22,9 @@ class Op:
         if schema is None:
             schema = torch.library.infer_schema(cpu, mutates_args=mutates_args)
         LIB.define(name + schema)
-        LIB.impl(name, cpu, "CPU")
+        # The reference serves every device (as custom_op's default); a device kernel
+        # registered with register_kernel takes precedence on its device.
+        LIB.impl(name, cpu, "CompositeExplicitAutograd")
         self.name = name
         self.qualname = f"deepfuse::{name}"
         self.reference = cpu
