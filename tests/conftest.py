@@ -1,5 +1,12 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+# microbench/ (not part of the package) is importable from the tests; the repository root
+# holds no `deepfuse` folder, so the installed package is still the one imported.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def pytest_configure(config):
