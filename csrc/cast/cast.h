@@ -14,7 +14,7 @@ enum class ScaleKind : int {
 // x: [M, K] rows `x_ld` elements apart (bf16 if x_is_bf16 else fp32), K % 8 == 0,
 // x and x_ld 16-byte aligned. q: e4m3 [M, K] contiguous. G = ceil(K / group); the last
 // group of a row may be partial. group in {32, 64, 128}. `scale_ld` is the packed
-// layout's padded M (unused otherwise). Pad bytes of the packed layout are not written.
+// layout's padded M (unused otherwise); the packed layout is written whole, pads as 0.
 void fp8_group_cast(const void* x, bool x_is_bf16, void* q, void* scale, ScaleKind kind,
                     int64_t M, int64_t K, int64_t x_ld, int group, int64_t scale_ld,
                     cudaStream_t stream);

@@ -75,16 +75,24 @@ fp8_group_cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ q, void* __
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = v[u][i] * mul;
     const int64_t row = row0 + u;
-    if (!col_ok || row >= M) continue;
+    if (!col_ok) continue;
+    if constexpr (KIND == ScaleKind::kUe8m0Packed) {
+      // The packed layout is written whole: pad rows [M, scale_ld) and the pad bytes after
+      // the last group of a row get 0, so the output needs no zero-fill launch.
+      if (leader && row < scale_ld) {
+        uint8_t* w = static_cast<uint8_t*>(scale) + ((g >> 2) * scale_ld + row) * 4;
+        w[g & 3] = row < M ? static_cast<uint8_t>(e + 127) : 0;
+        if (g == G - 1)
+          for (int j = (g & 3) + 1; j < 4; ++j) w[j] = 0;
+      }
+    }
+    if (row >= M) continue;
     *reinterpret_cast<uint2*>(q + row * K + col) = to_e4m3x8(out);
     if (leader) {
       if constexpr (KIND == ScaleKind::kFp32) {
         static_cast<float*>(scale)[row * G + g] = s_val;
       } else if constexpr (KIND == ScaleKind::kUe8m0) {
         static_cast<uint8_t*>(scale)[row * G + g] = static_cast<uint8_t>(e + 127);
-      } else {
-        static_cast<uint8_t*>(scale)[((g >> 2) * scale_ld + row) * 4 + (g & 3)] =
-            static_cast<uint8_t>(e + 127);
       }
     }
   }
