@@ -60,6 +60,7 @@ page_size = Wp.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -93,21 +94,28 @@ def ring_rows(spec_tokens: int = 1) -> int:
 
 
 @dataclass(frozen=True)
-class KVFormat:
-    """Row format of KV pages and rings ("fp8": 584-byte rows; "bf16": 512 bf16)."""
+class _PagedRows:
+    """Shared shape of the paged row formats: `page_size` rows per page; "fp8" pages are raw
+    bytes ([page_size, data bytes] then the page's scale block), "bf16" pages are
+    [page_size, dim] bf16."""
 
     page_size: int
     dtype: str = "fp8"
 
+    DIM: ClassVar[int]
+    FP8_ROW_BYTES: ClassVar[int]
+    FP8_DATA_BYTES: ClassVar[int]
+
     def __post_init__(self):
+        name = type(self).__name__
         if self.dtype not in _FMTS:
-            raise ValueError(f"deepfuse: KVFormat.dtype must be one of {_FMTS}, got {self.dtype!r}")
+            raise ValueError(f"deepfuse: {name}.dtype must be one of {_FMTS}, got {self.dtype!r}")
         if self.page_size < PAGE_ALIGN_ROWS or self.page_size % PAGE_ALIGN_ROWS:
-            raise ValueError(f"deepfuse: KVFormat.page_size must be a positive multiple of 16, got {self.page_size}")
+            raise ValueError(f"deepfuse: {name}.page_size must be a positive multiple of 16, got {self.page_size}")
 
     @property
     def row_bytes(self) -> int:
-        return KV_ROW_BYTES if self.dtype == "fp8" else 2 * KV_DIM
+        return self.FP8_ROW_BYTES if self.dtype == "fp8" else 2 * self.DIM
 
     @property
     def page_bytes(self) -> int:
@@ -116,48 +124,38 @@ class KVFormat:
     @property
     def scale_offset(self) -> int:
         """Byte offset of the page's scale block (fp8)."""
-        return self.page_size * KV_DATA_BYTES
+        return self.page_size * self.FP8_DATA_BYTES
 
     def page_shape(self) -> tuple[int, ...]:
-        return (self.page_bytes,) if self.dtype == "fp8" else (self.page_size, KV_DIM)
+        return (self.page_bytes,) if self.dtype == "fp8" else (self.page_size, self.DIM)
 
     def torch_dtype(self) -> torch.dtype:
         return torch.uint8 if self.dtype == "fp8" else torch.bfloat16
 
 
 @dataclass(frozen=True)
-class IndexerKeyFormat:
+class KVFormat(_PagedRows):
+    """Row format of KV pages and rings ("fp8": 584-byte rows; "bf16": 512 bf16)."""
+
+    DIM: ClassVar[int] = KV_DIM
+    FP8_ROW_BYTES: ClassVar[int] = KV_ROW_BYTES
+    FP8_DATA_BYTES: ClassVar[int] = KV_DATA_BYTES
+
+
+@dataclass(frozen=True)
+class IndexerKeyFormat(_PagedRows):
     """Row format of indexer key pages ("fp8": 128 e4m3 + fp32 scale; "bf16": 128 bf16)."""
 
-    page_size: int
-    dtype: str = "fp8"
     scale_fmt: str = "fp32"  # fp8 only: "fp32" (amax / 448) or "ue8m0" (power of two, stored as fp32)
 
+    DIM: ClassVar[int] = IDX_DIM
+    FP8_ROW_BYTES: ClassVar[int] = IDX_ROW_BYTES
+    FP8_DATA_BYTES: ClassVar[int] = IDX_DIM
+
     def __post_init__(self):
-        if self.dtype not in _FMTS:
-            raise ValueError(f"deepfuse: IndexerKeyFormat.dtype must be one of {_FMTS}, got {self.dtype!r}")
+        super().__post_init__()
         if self.scale_fmt not in ("fp32", "ue8m0"):
             raise ValueError(f"deepfuse: IndexerKeyFormat.scale_fmt must be fp32 or ue8m0, got {self.scale_fmt!r}")
-        if self.page_size < PAGE_ALIGN_ROWS or self.page_size % PAGE_ALIGN_ROWS:
-            raise ValueError(f"deepfuse: IndexerKeyFormat.page_size must be a positive multiple of 16, got {self.page_size}")
-
-    @property
-    def row_bytes(self) -> int:
-        return IDX_ROW_BYTES if self.dtype == "fp8" else 2 * IDX_DIM
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_size * self.row_bytes
-
-    @property
-    def scale_offset(self) -> int:
-        return self.page_size * IDX_DIM
-
-    def page_shape(self) -> tuple[int, ...]:
-        return (self.page_bytes,) if self.dtype == "fp8" else (self.page_size, IDX_DIM)
-
-    def torch_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.dtype == "fp8" else torch.bfloat16
 
 
 @dataclass
