@@ -1,51 +1,51 @@
-// Row-wise top-k: one streaming pass over the row that keeps only candidates, then a radix
+// Row-wise top-k: a sampled threshold, one streaming pass that keeps only candidates, and a
 // select over the candidates alone.
 //
 // Keys: a float's bits become an unsigned integer of the same width whose order is the
 // float order (negative: all bits flipped; non-negative: sign bit set). Every NaN maps to
 // the all-ones key, above +inf. bf16/fp16 give 16-bit keys, fp32 32-bit keys.
 //
-// Why not a radix select over the whole row: for real-valued data the top digit of the
-// key (sign, exponent, a few mantissa bits) falls into a few dozen bins, so a histogram of
-// every element serialises on shared-memory atomics to the same addresses; that, not HBM,
-// bounded the previous (staged, full-histogram) kernel at 2-4x torch.topk.
+// Why not a radix select over the whole row: for real-valued data the top digit of the key
+// falls into a few dozen bins, so a histogram of every element serialises on shared-memory
+// atomics to the same addresses. Only ~1K samples and the ~K candidates are histogrammed.
+// Small rows are a chain of dependent steps on one SM, so the design counts barriers and
+// round trips (tools/topk_probe.cu times each phase; docs/notes/topk-perf.md).
 //
 // Work split: a row is handled by G CTAs (G in {1, 2, 4, 8}; a thread-block cluster when
-// G > 1, 512 threads per CTA; G = 1: 256 threads, up to four CTAs per SM). G grows while
-// the grid stays within about one wave and each CTA keeps at least 8192 elements.
+// G > 1). G > 1 only while B * G fits one CTA per SM and each part keeps >= 16K elements.
+// CTAs: 512 threads (one per SM, 128 registers) while B <= #SMs, else 256 (up to 4 per SM).
 //
-// Per CTA, with K = min(k, L) (L: the row's length) and a candidate buffer of C >= 2K
-// (raw bits, index) pairs in shared memory:
-//   estimate  (part longer than C) every thread reads a few elements spread over the CTA's
-//             part; a histogram of their top 11 key bits gives a first threshold thr whose
-//             expected count above it is a few standard deviations over this part's share
-//             of K. Only a speed hint: every case below stays exact.
-//   stream    the part is read once from HBM (16-byte loads, two sets of U per thread in
-//             flight). A float compare against thr (exact while thr < key(+inf); else the
-//             keys are compared) drops almost every element; the survivors are appended
-//             to the buffer (warp-scanned counts, one shared atomic per warp).
-//   compact   when an append does not fit (warp reservations past C fail and are retried),
-//             the CTA selects the K largest buffered keys (radix select over the buffer),
-//             keeps exactly those and raises thr to their threshold. Invariants: every
-//             dropped element has key <= thr; every buffered key is >= thr; after a
-//             compaction the buffer holds >= K keys >= thr (a valid top-K of the part).
-//   select    D = the largest thr of the row's CTAs (DSMEM exchange for G > 1). A radix
-//             select over the buffered keys >= D (11-bit digits starting below the common
-//             prefix of the smallest and largest buffered keys, so candidates spread over
-//             the bins; histograms merged over DSMEM for G > 1) finds the K-th key. If
-//             fewer than K candidates are >= D (the estimate was too high), the row is
-//             streamed again with thr = 0 (exact by the invariant).
-//   histograms (sample, select): lanes of a warp with the same bin are merged first
-//             (match.any), one shared atomic per distinct bin.
-//   output    candidates above the threshold prefix take slots by ticket; of those equal
-//             to it, as many as still needed. Slot bases across CTAs: one atomic per CTA on
-//             rank 0's counters (DSMEM).
-// L <= k: every element is selected and goes to the slot equal to its index.
-// sorted: the selected (key, index) pairs go to rank 0's shared memory instead; rank 0
-// bitonic-sorts them (descending) and writes the indices and values (re-read from x).
-// Rows shorter than k are padded by rank 0 (index -1, value -inf).
+// Per row, with K = min(k, L) (L: the row's length) and a candidate buffer of C >= 2K + 1024
+// (raw bits, index) pairs in rank 0's shared memory:
+//   sample   (L > C or L > 2K + 2048) 1024 elements in runs of 8 (16-bit) / 4 (fp32) spread
+//            over the row; two histogram levels (top 11 key bits, then 5) give thr = the
+//            r-th largest sample (16-bit keys; fp32: to 16 bits), r = Ks + 3 sqrt(Ks) + 6
+//            (Ks = K * 1024 / L). Every CTA of a cluster reads the same samples: the same
+//            thr, no exchange. The row's first loads are in flight meanwhile.
+//   stream   each CTA reads its part once (16-byte loads, two sets of U per thread in
+//            flight); a float compare against thr (exact while thr < key(+inf)) drops almost
+//            every element; survivors go to rank 0's buffer with one reservation per warp
+//            and round (warp scan + one atomic, DSMEM for G > 1): no barrier in the loop.
+//   fallback rank 0 alone, rare: the buffer overflowed (thr far too low; keep thr) or fewer
+//            than K keys were above thr (restart from 0). The whole row is streamed again
+//            with block-wide appends (a barrier per round); on overflow the CTA keeps the K
+//            largest buffered keys (select + in-place compaction) and raises thr.
+//   select   rank 0: histograms of (key - base) >> shift over the current range [base,
+//            base + span] (shift: the range fits 2048 bins), starting from [thr, max key];
+//            one level resolves any range of < 2048 keys (bf16 candidates usually), at most
+//            three for fp32. Bucket search: the warps sum 16 rows of 128 bins, warp 0
+//            scans rows then bins (find_bucket).
+//   output   one block scan of packed (above, equal) counts over runs of candidates gives
+//            every thread its slots: keys above the K-th to [0, K - krem), the first krem
+//            equal to it after them. sorted: (key, index) pairs are bitonic-sorted in
+//            shared memory first. Rows shorter than k are padded (index -1, value -inf).
+// Invariants: every dropped element has key <= thr; every buffered key is >= thr; after a
+// compaction the buffer holds >= K keys >= thr (a valid top-K of what was read).
+// L <= k: every element is selected and goes to the slot equal to its index (rank 0).
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
+
+#include <algorithm>
 
 #include "common/cuda_utils.h"
 #include "topk/topk.h"
@@ -55,12 +55,25 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kBins = 2048;  // widest digit: 11 bits
+constexpr int kBins = 2048;  // digit: 11 bits
 constexpr int kMaxCluster = 8;
-constexpr int kMinPart = 8192;  // do not split rows into parts smaller than this
-constexpr int kSamples = 1024;  // elements per CTA in the threshold estimate
+constexpr int kMinPart = 16384;  // do not split rows into parts smaller than this
+constexpr int kSamples = 1024;   // elements in the threshold sample
+constexpr int kBig = 512;        // threads per CTA while B <= #SMs (one per SM, 128 registers)
 constexpr uint32_t kNone = 0xFFFFFFFFu;
 constexpr unsigned kFull = 0xffffffffu;
+
+// Build with -DDEEPFUSE_TOPK_PROBE (tools/topk_probe.cu) to record per-CTA phase clocks.
+#ifdef DEEPFUSE_TOPK_PROBE
+__device__ unsigned long long g_topk_probe[4096][32];
+#define TOPK_PROBE(i, v) \
+  do { if (threadIdx.x == 0 && blockIdx.x < 4096) g_topk_probe[blockIdx.x][i] = (v); } while (0)
+#define TOPK_PROBE_ADD(i) \
+  do { if (threadIdx.x == 0 && blockIdx.x < 4096) g_topk_probe[blockIdx.x][i] += 1; } while (0)
+#else
+#define TOPK_PROBE(i, v) do {} while (0)
+#define TOPK_PROBE_ADD(i) do {} while (0)
+#endif
 
 template <int FMT>
 struct Fmt;
@@ -145,17 +158,14 @@ __device__ __forceinline__ float thr_float(uint32_t thr) {
 }
 
 struct __align__(16) Shared {
-  uint32_t hist[kBins];  // this CTA's histogram of the current digit
-  unsigned long long wsum[16];
-  uint32_t res_bin, res_above, res_cnt, res_lab, res_lcnt, res_total;  // find_bucket result
-  uint32_t cnt;   // buffer reservation counter
-  uint32_t vend;  // lowest base of a failed reservation (kNone: none)
-  uint32_t mx;    // largest buffered key
-  uint32_t mn;    // smallest buffered key (kNone: empty)
-  uint32_t dr;    // this CTA's drop threshold (read by the cluster)
-  uint32_t cnt_gt, cnt_eq;  // rank 0: cluster-wide output slot counters
-  uint32_t tk_gt, tk_eq, tk_ret;
-  uint32_t base_gt, base_eq;
+  uint32_t hist[2][kBins];  // zero between uses (find_bucket clears the bins it reads)
+  uint32_t wsum[32];
+  uint32_t res_bin, res_above, res_cnt, res_total;  // find_bucket result
+  uint32_t cnt;   // buffer entries (G > 1: rank 0's reservation counter for the cluster)
+  uint32_t fail;  // G > 1 (rank 0): some reservation did not fit
+  uint32_t mx;    // largest buffered key (0: none)
+  uint32_t wa[2][32], wb[2][32];   // per-warp counts / max keys of a block scan (two phases)
+  uint32_t rowt[16];               // find_bucket: totals of the 16 rows of 128 bins
 };
 
 struct Params {
@@ -209,16 +219,6 @@ __device__ __forceinline__ uint32_t elem_dyn(const uint4& v, int i) {
   }
 }
 
-// Adds 1 to h[bin] for every active lane; lanes of a warp with the same bin are merged
-// first (one shared atomic per distinct bin: skewed bins do not serialise). Warp-collective.
-__device__ __forceinline__ void hist_add(uint32_t* h, uint32_t bin, bool active) {
-  const uint32_t act = __ballot_sync(kFull, active);
-  if (active) {
-    const uint32_t peers = __match_any_sync(act, bin);
-    if ((threadIdx.x & 31u) == static_cast<uint32_t>(__ffs(peers) - 1)) atomicAdd(&h[bin], __popc(peers));
-  }
-}
-
 // This CTA's part of a row. Slot s covers elements [seg0 + s*VEC, seg0 + (s+1)*VEC) (16-byte
 // aligned in global memory); elements outside [lo, hi) are not this CTA's. Interior slots
 // [1, nslots - 1) lie wholly inside [lo, hi); the two edge slots hold the row's unaligned
@@ -252,114 +252,74 @@ struct Part {
   }
 };
 
-// G > 1: every CTA of the cluster ends with the row histogram in `merged`.
-template <int NT>
-__device__ __forceinline__ void merge_histograms(Shared& sh, uint32_t* red, uint32_t* merged, int G,
-                                                 int lg_slice, int rank) {
-  cg::cluster_group cl = cg::this_cluster();
-  cluster_sync();  // all local histograms complete (and every CTA of the cluster running)
-  const int slice = 1 << lg_slice;  // kBins / G
-  for (int j = threadIdx.x; j < slice; j += NT) {
-    uint32_t sum = 0;
-#pragma unroll
-    for (int r = 0; r < kMaxCluster; ++r)
-      if (r < G) sum += cl.map_shared_rank(sh.hist, r)[rank * slice + j];
-    red[j] = sum;
-  }
-  cluster_sync();  // slices complete; local histograms no longer read remotely
-#pragma unroll
-  for (int u = 0; u < kBins / NT; ++u) {
-    const int b = u * NT + threadIdx.x;
-    merged[b] = cl.map_shared_rank(red, b >> lg_slice)[b & (slice - 1)];
-  }
-  __syncthreads();
-}
-
-// Finds bucket b with S(b+1) < krem <= S(b), S(b) = sum of M over bins >= b, if S(0) >= krem.
-// Writes b, S(b+1), M[b], this CTA's H-sums (S_H(b+1), H[b]) and S(0) to sh.res_*.
-template <int NT>
-__device__ __forceinline__ void find_bucket(Shared& sh, const uint32_t* M, const uint32_t* H,
-                                            uint32_t krem) {
-  constexpr int BPT = kBins / NT;  // bins per thread: 4 or 8
+// Finds bucket b with S(b+1) < krem <= S(b), S(b) = sum of H over bins >= b, if S(0) >= krem,
+// into sh.res_bin / res_above (= S(b+1)) / res_cnt (= H[b]); S(0) into sh.res_total.
+// NB = 2048: the warps sum the 16 rows of 128 bins (four per lane, one warp reduction per
+// row); warp 0 scans the row totals, then the bins of the row found. NB <= 32: warp 0 scans
+// the bins directly. Block-collective (H complete on entry); ends with a barrier after
+// which the bins are cleared (the next use of H is always a barrier later).
+template <int NT, int NB = kBins>
+__device__ __forceinline__ void find_bucket(Shared& sh, uint32_t* H, uint32_t krem) {
+  static_assert(NB == 2048 || NB <= 32, "bins");
   constexpr int NW = NT / 32;
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  unsigned long long c[BPT];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4* h4 = reinterpret_cast<uint4*>(H);
+  if constexpr (NB == 2048) {
 #pragma unroll
-  for (int q = 0; q < BPT / 4; ++q) {
-    const uint4 m4 = reinterpret_cast<const uint4*>(M)[t * (BPT / 4) + q];
-    const uint4 h4 = reinterpret_cast<const uint4*>(H)[t * (BPT / 4) + q];
-    c[4 * q + 0] = (static_cast<unsigned long long>(h4.x) << 32) | m4.x;
-    c[4 * q + 1] = (static_cast<unsigned long long>(h4.y) << 32) | m4.y;
-    c[4 * q + 2] = (static_cast<unsigned long long>(h4.z) << 32) | m4.z;
-    c[4 * q + 3] = (static_cast<unsigned long long>(h4.w) << 32) | m4.w;
-  }
-  unsigned long long tot = 0;
-#pragma unroll
-  for (int j = 0; j < BPT; ++j) tot += c[j];
-  unsigned long long suf = tot;  // inclusive suffix sum over the lanes >= this one
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const unsigned long long o = __shfl_down_sync(kFull, suf, off);
-    if (lane + off < 32) suf += o;
-  }
-  if (lane == 0) sh.wsum[warp] = suf;
-  __syncthreads();
-  unsigned long long run = suf - tot;  // bins above this thread's
-#pragma unroll
-  for (int w = 1; w < NW; ++w)
-    if (w > warp) run += sh.wsum[w];
-  if (t == 0) sh.res_total = static_cast<uint32_t>(run + tot);
-#pragma unroll
-  for (int j = BPT - 1; j >= 0; --j) {
-    const uint32_t above = static_cast<uint32_t>(run), in = static_cast<uint32_t>(c[j]);
-    if (above < krem && above + in >= krem) {
-      sh.res_bin = BPT * t + j;
-      sh.res_above = above;
-      sh.res_cnt = in;
-      sh.res_lab = static_cast<uint32_t>(run >> 32);
-      sh.res_lcnt = static_cast<uint32_t>(c[j] >> 32);
+    for (int q = warp; q < 16; q += NW) {
+      const uint4 v = h4[q * 32 + lane];
+      const uint32_t t = __reduce_add_sync(kFull, v.x + v.y + v.z + v.w);
+      if (lane == 0) sh.rowt[q] = t;
     }
-    run += c[j];
+    __syncthreads();
+  }
+  if (warp == 0) {
+    uint32_t c = NB == 2048 ? (lane < 16 ? sh.rowt[lane] : 0u) : (lane < NB ? H[lane] : 0u);
+    uint32_t suf = c;  // inclusive suffix sum over the lanes >= this one
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t o = __shfl_down_sync(kFull, suf, off);
+      if (lane + off < 32) suf += o;
+    }
+    const uint32_t above = suf - c;
+    if (lane == 0) sh.res_total = suf;
+    const uint32_t who = __ballot_sync(kFull, above < krem && above + c >= krem);
+    if (who) {
+      const int row = __ffs(who) - 1;
+      if constexpr (NB == 2048) {
+        const uint32_t a0 = __shfl_sync(kFull, above, row);
+        const uint4 v = h4[row * 32 + lane];
+        const uint32_t t4 = v.x + v.y + v.z + v.w;
+        uint32_t s4 = t4;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const uint32_t o = __shfl_down_sync(kFull, s4, off);
+          if (lane + off < 32) s4 += o;
+        }
+        uint32_t run = a0 + s4 - t4;  // bins of the row above this lane's four
+        const uint32_t cc[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 3; j >= 0; --j) {
+          if (run < krem && run + cc[j] >= krem) {
+            sh.res_bin = row * 128 + lane * 4 + j;
+            sh.res_above = run;
+            sh.res_cnt = cc[j];
+          }
+          run += cc[j];
+        }
+      } else if (lane == row) {
+        sh.res_bin = row;
+        sh.res_above = above;
+        sh.res_cnt = c;
+      }
+    }
   }
   __syncthreads();
-}
-
-// find_bucket for a plain histogram (no per-CTA half): res_bin only.
-template <int NT>
-__device__ __forceinline__ void find_bucket_lean(Shared& sh, const uint32_t* M, uint32_t krem) {
-  constexpr int BPT = kBins / NT;
-  constexpr int NW = NT / 32;
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  uint32_t c[BPT];
-#pragma unroll
-  for (int q = 0; q < BPT / 4; ++q) {
-    const uint4 m4 = reinterpret_cast<const uint4*>(M)[t * (BPT / 4) + q];
-    c[4 * q + 0] = m4.x;
-    c[4 * q + 1] = m4.y;
-    c[4 * q + 2] = m4.z;
-    c[4 * q + 3] = m4.w;
+  if constexpr (NB == 2048) {
+    for (int i = threadIdx.x; i < 512; i += NT) h4[i] = make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    if (threadIdx.x < NB) H[threadIdx.x] = 0u;
   }
-  uint32_t tot = 0;
-#pragma unroll
-  for (int j = 0; j < BPT; ++j) tot += c[j];
-  uint32_t suf = tot;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t o = __shfl_down_sync(kFull, suf, off);
-    if (lane + off < 32) suf += o;
-  }
-  if (lane == 0) sh.wsum[warp] = suf;
-  __syncthreads();
-  uint32_t run = suf - tot;
-#pragma unroll
-  for (int w = 1; w < NW; ++w)
-    if (w > warp) run += static_cast<uint32_t>(sh.wsum[w]);
-#pragma unroll
-  for (int j = BPT - 1; j >= 0; --j) {
-    if (run < krem && run + c[j] >= krem) sh.res_bin = BPT * t + j;
-    run += c[j];
-  }
-  __syncthreads();
 }
 
 template <class F>
@@ -392,14 +352,6 @@ struct Out {
   }
 };
 
-// Result of a radix select over the buffer: the selected keys are those >= lo whose
-// key >> shift is > T, plus `krem` of those equal to T. gt/eq_local: this CTA's counts.
-struct Sel {
-  uint32_t T, krem, gt_local, eq_local;
-  int shift;
-  bool ok;
-};
-
 // Descending bitonic sort of a[0, n), n a power of two, by one CTA.
 template <int NT>
 __device__ __forceinline__ void sort_desc(unsigned long long* a, int n) {
@@ -420,9 +372,23 @@ __device__ __forceinline__ void sort_desc(unsigned long long* a, int n) {
   }
 }
 
+// Result of a select over the buffer: whole: the keys >= T are selected; else the keys > T
+// and `krem` of those equal to T (T is the K-th largest key).
+struct Sel {
+  uint32_t T, krem;
+  bool whole, ok;
+  __device__ __forceinline__ bool gt(uint32_t key) const { return whole ? key >= T : key > T; }
+  __device__ __forceinline__ bool eq(uint32_t key) const { return !whole && key == T; }
+};
+
+struct Compacted {
+  uint32_t thr;
+  int ph;
+};
+
 template <int FMT, int NT, int U>
-__device__ __noinline__ uint32_t compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap,
-                                                uint32_t kk, uint32_t thr);
+__device__ __noinline__ Compacted compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap, uint32_t kk,
+                                                 uint32_t thr, uint32_t cnt, uint32_t mx, int ph);
 
 template <int FMT, int NT, int U>
 struct Ctx {
@@ -431,17 +397,32 @@ struct Ctx {
   static constexpr int VEC = 16 / sizeof(Raw);
   static constexpr int KB = F::kBits;
 
-  Shared& sh;
-  uint32_t* craw;    // buffer: raw bits
-  uint32_t* cidx;    // buffer: element index
-  uint32_t* red;     // G > 1
-  uint32_t* merged;  // G > 1
+  Shared& sh;      // this CTA's
+  Shared* rsh;     // rank 0's (appends, max key, fail flag); &sh for G = 1
+  uint32_t* craw;  // this CTA's buffer: raw bits
+  uint32_t* cidx;  // this CTA's buffer: element index
+  uint32_t* rraw;  // rank 0's buffer (appends)
+  uint32_t* ridx;
   Part<F> c;
-  int G, rank, lg_slice;
+  int G;  // 1: compact on overflow; > 1: stop on overflow
   uint32_t cap, kk;
   uint32_t thr;  // drop threshold: elements with key <= thr are not buffered
   float tf;      // thr as a float compare (exact while fast)
   bool fast;     // thr < key(+inf): the float compare decides
+  bool robust;   // block appends with compaction on overflow (G = 1); else per-warp appends
+  bool dead;     // fast path: this warp's append did not fit (it stops; rank 0 sees `fail`)
+  int ph;        // block-scan phase (0/1)
+  uint32_t cnt;  // G = 1: buffer entries written
+  uint32_t mx;   // robust: largest buffered key (0: none); fast: this thread's appended max
+
+  // Exclusive prefix over the warps of a per-warp value published in a[ph][warp] by lane 0
+  // (after the caller's barrier): returns the sum over lower warps; `tot` gets the total.
+  __device__ __forceinline__ uint32_t warp_prefix(const uint32_t (&a)[2][32], uint32_t& tot) const {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint32_t w = lane < NT / 32 ? a[ph][lane] : 0u;
+    tot = __reduce_add_sync(kFull, w);
+    return __reduce_add_sync(kFull, lane < warp ? w : 0u);
+  }
 
   __device__ __forceinline__ void set_thr(uint32_t t) {
     thr = t;
@@ -449,9 +430,9 @@ struct Ctx {
     fast = t < F::kKeyPosInf;
   }
 
-  // Appends this warp's elements of masks m[q] (bit i: element e0[q] + i of v[q]) with one
-  // reservation (at most 32 * NV * VEC <= 1024 entries). Warp-collective. Returns false (for
-  // the whole warp, nothing written) if the reservation does not fit the buffer.
+  // Fast path: appends this warp's elements of masks m[q] (bit i: element e0[q] + i of v[q])
+  // with one reservation on rank 0's counter (no barrier). Warp-collective. Returns false
+  // (whole warp, nothing written, rank 0's `fail` set) if it does not fit the buffer.
   template <int NV>
   __device__ __forceinline__ bool warp_insert(const uint4 (&v)[NV], const int (&e0)[NV], const uint32_t (&m)[NV]) {
     const int lane = threadIdx.x & 31;
@@ -468,8 +449,8 @@ struct Ctx {
     if (total == 0) return true;
     uint32_t base = 0;
     if (lane == 31) {
-      base = atomicAdd(&sh.cnt, total);
-      if (base + total > cap) atomicMin(&sh.vend, base);
+      base = atomicAdd(&rsh->cnt, total);
+      if (base + total > cap) rsh->fail = 1u;
     }
     base = __shfl_sync(kFull, base, 31);
     if (base + total > cap) return false;
@@ -478,10 +459,56 @@ struct Ctx {
     for (int q = 0; q < NV; ++q) {
       for (uint32_t mm = m[q]; mm; mm &= mm - 1u, ++pos) {  // usually zero or one bit
         const int i = __ffs(mm) - 1;
-        craw[pos] = elem_dyn<VEC>(v[q], i);
-        cidx[pos] = static_cast<uint32_t>(e0[q] + i);
+        const uint32_t raw = elem_dyn<VEC>(v[q], i);
+        rraw[pos] = raw;
+        ridx[pos] = static_cast<uint32_t>(e0[q] + i);
+        mx = max(mx, F::key(raw));
       }
     }
+    return true;
+  }
+
+  // Appends every thread's elements of masks m[q] (bit i: element e0[q] + i of v[q]) at
+  // positions from a block scan (no contended atomics). Block-collective. Returns false
+  // (uniform; nothing written) if they do not fit the buffer.
+  template <int NV>
+  __device__ __forceinline__ bool append(const uint4 (&v)[NV], const int (&e0)[NV], const uint32_t (&m)[NV]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint32_t n = 0, mk = 0;
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+      n += __popc(m[q]);
+      for (uint32_t mm = m[q]; mm; mm &= mm - 1u) mk = max(mk, F::key(elem_dyn<VEC>(v[q], __ffs(mm) - 1)));
+    }
+    uint32_t incl = n;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t o = __shfl_up_sync(kFull, incl, off);
+      if (lane >= off) incl += o;
+    }
+    mk = __reduce_max_sync(kFull, mk);
+    if (lane == 31) sh.wa[ph][warp] = incl;
+    if (lane == 0) sh.wb[ph][warp] = mk;
+    TOPK_PROBE(16, clock64());
+    __syncthreads();
+    TOPK_PROBE(17, clock64());
+    uint32_t tot;
+    const uint32_t before = warp_prefix(sh.wa, tot);
+    mk = __reduce_max_sync(kFull, lane < NT / 32 ? sh.wb[ph][lane] : 0u);
+    const uint32_t base = cnt;
+    ph ^= 1;
+    if (base + tot > cap) return false;
+    uint32_t pos = base + before + incl - n;
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+      for (uint32_t mm = m[q]; mm; mm &= mm - 1u, ++pos) {  // usually zero or one bit
+        const int i = __ffs(mm) - 1;
+        rraw[pos] = elem_dyn<VEC>(v[q], i);
+        ridx[pos] = static_cast<uint32_t>(e0[q] + i);
+      }
+    }
+    cnt += tot;
+    mx = max(mx, mk);
     return true;
   }
 
@@ -492,74 +519,43 @@ struct Ctx {
     return m;
   }
 
-  // Largest and smallest key of buffer[0, n) into sh.mx, sh.mn (0 and kNone before).
-  // Ends with a barrier.
-  __device__ __forceinline__ void buffer_range(uint32_t n) {
-    uint32_t hi = 0, lo = kNone;
-    for (uint32_t i = threadIdx.x; i < n; i += NT) {
-      const uint32_t key = F::key(craw[i]);
-      hi = max(hi, key);
-      lo = min(lo, key);
-    }
-    hi = __reduce_max_sync(kFull, hi);
-    lo = __reduce_min_sync(kFull, lo);
-    if ((threadIdx.x & 31) == 0) {
-      if (hi) atomicMax(&sh.mx, hi);
-      if (lo != kNone) atomicMin(&sh.mn, lo);
-    }
-    __syncthreads();
-  }
-
-  // Radix select of the `need` largest keys >= lo of buffer[0, n) (of every CTA's buffer if
-  // cluster). Every key >= lo lies in [base, hi] (base >= lo). ok = false if fewer than
-  // `need` keys are >= lo.
-  __device__ __forceinline__ Sel select(uint32_t n, uint32_t lo, uint32_t base, uint32_t hi, uint32_t need,
-                                        bool cluster) {
+  // Select of the `need` largest keys >= lo of this CTA's buffer[0, n); every key is <= hi.
+  // Each level histograms (key - base) >> shift over the current range [base, base + span]
+  // (shift: the range fits 2048 bins), so one level resolves any range of < 2048 keys (bf16
+  // candidates usually) and the bins follow the candidates, not fixed digits. ok = false if
+  // fewer than `need` keys are >= lo. Uses and clears sh.hist.
+  __device__ __forceinline__ Sel select(uint32_t n, uint32_t lo, uint32_t hi, uint32_t need) {
     const int tid = threadIdx.x;
-    int start = KB;
-    if (hi >= base) {
-      const uint32_t d = base ^ hi;
-      start = d ? 32 - __clz(d) : 0;
-    }
-    start = max(start, 11);  // at least one level; keys in [base, hi] share key >> start
-    uint32_t prefix = shr(base, start), krem = need, gt_local = 0, eq_local = 0;
-    int shift = start;
-    if (tid == 0) sh.tk_gt = sh.tk_eq = sh.tk_ret = 0;
-    const uint32_t* M = cluster ? merged : sh.hist;
+    uint32_t base = lo, span = hi >= lo ? hi - lo : 0u, krem = need;
 #pragma unroll 1
-    for (int level = 0; level < 3 && shift > 0; ++level) {
-      const int bits = min(11, shift);
-      const int pshift = shift;
-      shift -= bits;
-      const uint32_t mask = (1u << bits) - 1u;
-#pragma unroll
-      for (int q = 0; q < kBins / (4 * NT); ++q)
-        reinterpret_cast<uint4*>(sh.hist)[q * NT + tid] = make_uint4(0u, 0u, 0u, 0u);
-      __syncthreads();
-      for (uint32_t s0 = 0; s0 < n; s0 += NT) {  // uniform trip count: warp collectives inside
-        const uint32_t i = s0 + tid;
-        const uint32_t key = i < n ? F::key(craw[i]) : 0u;
-        hist_add(sh.hist, (key >> shift) & mask, i < n && key >= lo && shr(key, pshift) == prefix);
+    for (int level = 0;; ++level) {
+      const int shift = span < kBins ? 0 : 21 - __clz(span);  // (span >> shift) < 2048
+      uint32_t* h = sh.hist[(level + 1) & 1];  // level 0: hist[1] (clear), level 1: hist[0], ...
+      for (uint32_t i = tid; i < n; i += NT) {
+        const uint32_t d = F::key(craw[i]) - base;
+        if (d <= span) atomicAdd(h + (d >> shift), 1u);
       }
       __syncthreads();
-      if (cluster) merge_histograms<NT>(sh, red, merged, G, lg_slice, rank);
-      find_bucket<NT>(sh, M, sh.hist, krem);
-      if (level == 0 && sh.res_total < need) return Sel{0u, 0u, 0u, 0u, 0, false};
-      const uint32_t b = sh.res_bin, above = sh.res_above, cnt = sh.res_cnt;
-      gt_local += sh.res_lab;
-      eq_local = sh.res_lcnt;
-      prefix = (prefix << bits) | b;
-      krem -= above;
-      if (cnt == krem) break;  // the whole bucket is selected
+      if (level == 0) TOPK_PROBE(11, clock64());
+      find_bucket<NT>(sh, h, krem);
+      if (level == 0) TOPK_PROBE(12, clock64());
+      TOPK_PROBE(14, level + 1);
+      if (level == 0 && sh.res_total < need) return Sel{0u, 0u, false, false};
+      const uint32_t b = sh.res_bin, cnt = sh.res_cnt;
+      krem -= sh.res_above;
+      base += b << shift;
+      if (cnt == krem) return Sel{base, 0u, true, true};  // the whole bucket is selected
+      if (shift == 0) return Sel{base, krem, false, true};
+      span = min(span - (b << shift), (1u << shift) - 1u);
     }
-    return Sel{prefix, krem, gt_local, eq_local, shift, true};
   }
 
-  // Keeps exactly the selection s of buffer[0, n) (keys >= lo) at its front, in place:
-  // each NT-entry chunk is read, ranked (one ticket counter) and written below its start.
-  __device__ void compact_pass(uint32_t n, uint32_t lo, const Sel& s) {
-    const int lane = threadIdx.x & 31;
+  // Keeps exactly the selection s of buffer[0, n) at its front, in place: each NT-entry
+  // chunk is read, ranked (block scans) and written below its end.
+  __device__ void compact_pass(uint32_t n, const Sel& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint32_t lt = (1u << lane) - 1u;
+    uint32_t qb = 0, kb = 0;  // equal keys seen, entries kept
     for (uint32_t s0 = 0; s0 < n; s0 += NT) {  // uniform trip count
       const uint32_t i = s0 + threadIdx.x;
       uint32_t raw = 0, idx = 0;
@@ -568,75 +564,40 @@ struct Ctx {
         raw = craw[i];
         idx = cidx[i];
         const uint32_t key = F::key(raw);
-        const uint32_t kp = key >> s.shift;
-        gt = key >= lo && kp > s.T;
-        eq = key >= lo && kp == s.T;
+        gt = s.gt(key);
+        eq = s.eq(key);
       }
       const uint32_t qm = __ballot_sync(kFull, eq);
-      uint32_t bq = 0;
-      if (lane == 0 && qm) bq = atomicAdd(&sh.tk_eq, __popc(qm));
-      bq = __shfl_sync(kFull, bq, 0);
-      const bool keep = gt || (eq && bq + __popc(qm & lt) < s.krem);
+      if (lane == 0) sh.wa[ph][warp] = __popc(qm);
+      __syncthreads();
+      uint32_t qt;
+      const uint32_t qbw = warp_prefix(sh.wa, qt);
+      const bool keep = gt || (eq && qb + qbw + __popc(qm & lt) < s.krem);
+      qb += qt;
       const uint32_t am = __ballot_sync(kFull, keep);
-      uint32_t ba = 0;
-      if (lane == 0 && am) ba = atomicAdd(&sh.tk_ret, __popc(am));
-      ba = __shfl_sync(kFull, ba, 0);
-      __syncthreads();  // the chunk is read before any of it is overwritten
+      if (lane == 0) sh.wb[ph][warp] = __popc(am);
+      __syncthreads();  // also: the chunk is read before any of it is overwritten
+      uint32_t kt;
+      const uint32_t kbw = warp_prefix(sh.wb, kt);
+      ph ^= 1;
       if (keep) {
-        const uint32_t pos = ba + __popc(am & lt);
+        const uint32_t pos = kb + kbw + __popc(am & lt);
         craw[pos] = raw;
         cidx[pos] = idx;
       }
+      kb += kt;
     }
   }
 
-  // The buffer overflowed: keep its K largest keys and raise thr. Block-collective.
-  // A warp appends at most 1024 entries at once, so n >= C - 1023 > K, and after the
-  // compaction at least one retried append fits (C - K >= 1024).
+  // G = 1, the buffer [0, cnt) cannot take the next append: keep its K largest keys and raise
+  // thr. Block-collective. An append adds at most NT * U * VEC entries... bounded by C - K.
   __device__ __forceinline__ uint32_t compact_now() {
-    const uint32_t n = sh.vend;  // entries [0, n) are written
-    buffer_range(n);
+    TOPK_PROBE_ADD(8);
     const uint32_t lo = thr;
-    const Sel s = select(n, lo, max(lo, sh.mn), sh.mx, kk, false);  // n > K keys >= lo: cannot fail
-    compact_pass(n, lo, s);
+    const Sel s = select(cnt, lo, mx, kk);  // cnt > K keys >= lo: cannot fail
+    compact_pass(cnt, s);
     __syncthreads();
-    if (threadIdx.x == 0) {
-      sh.cnt = kk;
-      sh.vend = kNone;
-      sh.mx = 0;
-      sh.mn = kNone;
-    }
-    __syncthreads();
-    return max(lo, s.T << s.shift);  // the K kept keys are >= both
-  }
-
-  // Filters the U vectors of round r (interior slots 1 + (r*U + u)*NT + tid) into the buffer
-  // (one append per warp and round); `nxt` holds round r + 1 (in flight). On an overflow the
-  // buffer is compacted and both sets are loaded again (so no vector register lives across
-  // the compaction), then the warps whose append failed retry with the new threshold.
-  __device__ __forceinline__ void process(uint4 (&v)[U], uint4 (&nxt)[U], int r, int n_in) {
-    bool pend = true;  // warp-uniform: this round not yet appended
-#pragma unroll 1
-    for (;;) {
-      uint32_t m[U];
-      int e0[U];
-      bool any = false;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
-        e0[u] = c.seg0 + (1 + j) * VEC;
-        m[u] = 0;
-        if (pend && j < n_in) m[u] = fast ? F::ge_mask(v[u], tf) : exact_mask(v[u]);
-        any |= m[u] != 0u;
-      }
-      bool failed = false;
-      if (__any_sync(kFull, any)) failed = !warp_insert<U>(v, e0, m);
-      if (!__syncthreads_or(failed)) break;
-      set_thr(compact_buffer<FMT, NT, U>(sh, craw, cidx, cap, kk, thr));
-      load(v, r, n_in);
-      load(nxt, r + 1, n_in);
-      pend = failed;
-    }
+    return s.T;  // the K kept keys are >= T >= lo
   }
 
   __device__ __forceinline__ void load(uint4 (&v)[U], int r, int n_in) const {
@@ -647,41 +608,127 @@ struct Ctx {
     }
   }
 
-  // One pass over this CTA's part: buffer every element with key > thr (thr0 = 0: all;
-  // else from a sample when the part does not fit the buffer).
-  __device__ void stream(bool estimate, int L) {
+  __device__ __forceinline__ uint32_t mask(const uint4& v) const {
+    return fast ? F::ge_mask(v, tf) : exact_mask(v);
+  }
+
+  // G = 1: the next append does not fit. Compacts the buffer to K entries, raises thr and
+  // loads the next round again (no vector register lives across the out-of-line call).
+  __device__ __forceinline__ void compact_reload(uint4 (&nxt)[U], int r, int n_in) {
+    const Compacted cp = compact_buffer<FMT, NT, U>(sh, craw, cidx, cap, kk, thr, cnt, mx, ph);
+    set_thr(cp.thr);
+    ph = cp.ph;
+    cnt = kk;
+    load(nxt, r + 1, n_in);
+  }
+
+  // Filters the U vectors of round r (interior slots 1 + (r*U + u)*NT + tid) into the buffer
+  // (one block append per round); `nxt` holds round r + 1 (in flight). G = 1: if the append
+  // does not fit, the buffer is compacted and the round is appended vector by vector, each
+  // read again (one vector per thread adds <= NT * VEC <= C - K entries: fits after a
+  // compaction). G > 1: the CTA stops (dead).
+  __device__ __forceinline__ void process(const uint4 (&v)[U], uint4 (&nxt)[U], int r, int n_in) {
+    if (!robust) {
+      uint32_t m[U];
+      int e0[U];
+      bool any = false;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
+        e0[u] = c.seg0 + (1 + j) * VEC;
+        m[u] = j < n_in ? mask(v[u]) : 0u;
+        any |= m[u] != 0u;
+      }
+      if (__any_sync(kFull, any) && !warp_insert<U>(v, e0, m)) dead = true;
+      return;
+    }
+    uint32_t m[U];
+    int e0[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
+      e0[u] = c.seg0 + (1 + j) * VEC;
+      m[u] = j < n_in ? mask(v[u]) : 0u;
+    }
+#ifdef DEEPFUSE_TOPK_PROBE
+    if (r == 0) {  // clock read after the masks exist (data dependency)
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) : "r"(m[0] | m[U - 1]));
+      TOPK_PROBE(7, t);
+    }
+#endif
+    if (append<U>(v, e0, m)) return;
+    compact_reload(nxt, r, n_in);
+#pragma unroll 1
+    for (int u = 0; u < U; ++u) {
+      const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
+#pragma unroll 1
+      for (;;) {
+        const uint4 v1[1] = {j < n_in ? c.load_interior(1 + j) : make_uint4(0u, 0u, 0u, 0u)};
+        const int e1[1] = {c.seg0 + (1 + j) * VEC};
+        const uint32_t m1[1] = {j < n_in ? mask(v1[0]) : 0u};
+        if (append<1>(v1, e1, m1)) break;
+        compact_reload(nxt, r, n_in);
+      }
+    }
+  }
+
+  // Threshold from kSamples elements spread over the row [0, L) (runs of VEC): the lower
+  // edge of the bucket (two 11-bit levels) holding the r-th largest sample. 0: keep all.
+  // `sv` holds this thread's samples (kSamples / NT). Block-collective.
+  __device__ __forceinline__ uint32_t estimate(const uint32_t (&sv)[kSamples / NT], int L) {
+    constexpr int SPT = kSamples / NT;
+    constexpr int s1 = KB - 11;                 // level 1: top 11 bits
+    constexpr int b2 = s1 < 5 ? s1 : 5, s2 = s1 - b2;  // level 2: the next b2 <= 5 bits
+#pragma unroll
+    for (int i = 0; i < SPT; ++i) atomicAdd(sh.hist[0] + (F::key(sv[i]) >> s1), 1u);
+    __syncthreads();
+    const float ks = __fdividef(static_cast<float>(kk) * kSamples, static_cast<float>(L));
+    float sq;
+    asm("sqrt.approx.f32 %0, %1;" : "=f"(sq) : "f"(ks));
+    const uint32_t r = static_cast<uint32_t>(ks + 3.f * sq + 6.f);
+    find_bucket<NT>(sh, sh.hist[0], min(r, static_cast<uint32_t>(kSamples)));
+    if (r >= kSamples) return 0u;
+    const uint32_t b1 = sh.res_bin, above = sh.res_above;
+#pragma unroll
+    for (int i = 0; i < SPT; ++i) {
+      const uint32_t key = F::key(sv[i]);
+      if ((key >> s1) == b1) atomicAdd(sh.hist[1] + ((key >> s2) & ((1u << b2) - 1u)), 1u);
+    }
+    __syncthreads();
+    find_bucket<NT, (1 << b2)>(sh, sh.hist[1], r - above);
+    const uint32_t edge = ((b1 << b2) | sh.res_bin) << s2;
+    return edge ? edge - 1u : 0u;  // buffer keys >= the edge
+  }
+
+  // One pass over this CTA's part: buffer every element with key > thr (thr0, or from a
+  // sample of the row when `estimate` and the row does not fit the buffer).
+  __device__ void stream(bool est, uint32_t thr0, int L) {
+    constexpr int SPT = kSamples / NT;
     const int tid = threadIdx.x;
     const int n_in = c.nslots - 2;  // interior slots 1 .. nslots - 2
     const int R = (n_in + NT * U - 1) / (NT * U);
-    const bool sample = estimate && n_in > 0 && static_cast<uint32_t>(c.hi - c.lo) > cap;
-    uint4 sv = make_uint4(0u, 0u, 0u, 0u);
-    if (sample) sv = c.load_interior(1 + static_cast<int>((static_cast<int64_t>(tid) * n_in) / NT));
+    const bool sample = est && (static_cast<uint32_t>(L) > cap || static_cast<uint32_t>(L) > 2 * kk + 2048);
     uint4 A[U], B[U];
+    uint32_t sv[SPT];
+    if (sample) {
+      constexpr int runs = kSamples / VEC;
+#pragma unroll
+      for (int i = 0; i < SPT; ++i) {
+        const int s = i * NT + tid, run = s / VEC;
+        const int64_t e = static_cast<int64_t>(run) * (L - VEC) / (runs - 1) + s % VEC;
+        sv[i] = __ldg(c.p + e);
+      }
+    }
     load(A, 0, n_in);  // in flight during the estimate (B after it: registers)
     uint4 ev = make_uint4(0u, 0u, 0u, 0u);  // the two edge slots (lanes 0 and 1 of warp 0)
     const int es = tid == 0 ? 0 : c.nslots - 1;
     if (tid < 2) ev = c.load_edge(es);
-    uint32_t t0 = 0;
-    if (sample) {
-      // Histogram of the top 11 key bits of kSamples elements spread over the part.
-      constexpr int SPT = kSamples / NT;  // 4 or 2 per thread
-      constexpr int shift = KB - 11;
-#pragma unroll
-      for (int i = 0; i < SPT; ++i) hist_add(sh.hist, F::key(elem<VEC>(sv, i * (VEC / SPT))) >> shift, true);
-      __syncthreads();
-      // Expected sample count among the row's K largest, plus 3 sigma and a floor.
-      const float ks = __fdividef(static_cast<float>(kk) * kSamples, static_cast<float>(L));
-      float sq;
-      asm("sqrt.approx.f32 %0, %1;" : "=f"(sq) : "f"(ks));
-      const uint32_t ts = static_cast<uint32_t>(ks + 3.f * sq + 5.f);
-      if (ts < kSamples) {
-        find_bucket_lean<NT>(sh, sh.hist, ts);
-        const uint32_t b = sh.res_bin;
-        t0 = b ? (b << shift) - 1u : 0u;  // buffer keys >= bucket b's lower edge
-      }
-    }
-    set_thr(t0);
-    if (tid < 32) {
+    set_thr(sample ? estimate(sv, L) : thr0);
+    TOPK_PROBE(9, clock64());
+    TOPK_PROBE(10, thr);
+    if (G > 1) cluster_wait();  // rank 0's counters are initialised before any append
+    if (c.lo < c.seg0 + VEC || c.hi > c.seg0 + (c.nslots - 1) * VEC) {  // uniform: edge elements exist
       const uint4 v1[1] = {ev};
       const int e1[1] = {c.seg0 + es * VEC};
       uint32_t m1[1] = {0u};
@@ -690,53 +737,67 @@ struct Ctx {
         for (int i = 0; i < VEC; ++i)
           m1[0] |= static_cast<uint32_t>(c.in(e1[0] + i) && F::key(elem<VEC>(ev, i)) > thr) << i;
       }
-      warp_insert<1>(v1, e1, m1);  // the buffer is empty: fits
+      if (robust) {
+        append<1>(v1, e1, m1);  // the buffer is empty: fits
+      } else if (tid < 32 && !warp_insert<1>(v1, e1, m1)) {
+        dead = true;
+      }
     }
-    __syncthreads();
+    TOPK_PROBE(13, clock64());
     load(B, 1, n_in);  // all zero (no loads) when R == 1
 #pragma unroll 1
-    for (int r = 0; r < R; r += 2) {
+    for (int r = 0; r < R && !dead; r += 2) {  // robust: dead stays false
       process(A, B, r, n_in);
+      if (r == 0) TOPK_PROBE(15, clock64());
       if (r + 2 < R) load(A, r + 2, n_in);
-      if (r + 1 < R) {
+      if (r + 1 < R && !dead) {
         process(B, A, r + 1, n_in);
         if (r + 3 < R) load(B, r + 3, n_in);
       }
     }
-    __syncthreads();
+    if (robust) {
+      if (tid == 0) {
+        sh.cnt = cnt;
+        sh.mx = mx;
+      }
+    } else {
+      const uint32_t m = __reduce_max_sync(kFull, mx);
+      if ((tid & 31) == 0 && m) atomicMax(&rsh->mx, m);
+    }
   }
 
-  // Writes the selection s of buffer[0, n) (keys >= lo): keys above T to slots
-  // base_gt + ticket, of those equal to T the ones with tickets base_eq + t < s.krem to
-  // slots above_total + base_eq + t.
-  __device__ void emit_pass(const Out<F>& o, uint32_t n, uint32_t lo, const Sel& s, uint32_t base_gt,
-                            uint32_t base_eq, uint32_t above_total) {
+  // Writes the selection s of buffer[0, n): keys above T to slots [0, K - krem), of those
+  // equal to T the first krem (in buffer order) to the slots after them. Each thread takes a
+  // run of q = ceil(n / NT) entries; one block scan of the packed (above, equal) counts
+  // (n <= C < 2^16) gives every thread its slots.
+  __device__ void emit_pass(const Out<F>& o, uint32_t n, const Sel& s, uint32_t above_total) {
     const int lane = threadIdx.x & 31;
-    const uint32_t lt = (1u << lane) - 1u;
-    for (uint32_t s0 = 0; s0 < n; s0 += NT) {  // uniform trip count: warp collectives inside
-      const uint32_t i = s0 + threadIdx.x;
-      uint32_t raw = 0, key = 0;
-      bool gt = false, eq = false;
-      if (i < n) {
-        raw = craw[i];
-        key = F::key(raw);
-        const uint32_t kp = key >> s.shift;
-        gt = key >= lo && kp > s.T;
-        eq = key >= lo && kp == s.T;
-      }
-      const uint32_t gm = __ballot_sync(kFull, gt), qm = __ballot_sync(kFull, eq);
-      if ((gm | qm) == 0u) continue;
-      uint32_t bg = 0, bq = 0;
-      if (lane == 0) {
-        if (gm) bg = atomicAdd(&sh.tk_gt, __popc(gm));
-        if (qm) bq = atomicAdd(&sh.tk_eq, __popc(qm));
-      }
-      bg = __shfl_sync(kFull, bg, 0);
-      bq = __shfl_sync(kFull, bq, 0);
-      if (gt) o.emit(base_gt + bg + __popc(gm & lt), static_cast<int>(cidx[i]), raw, key);
-      if (eq) {
-        const uint32_t t = base_eq + bq + __popc(qm & lt);
-        if (t < s.krem) o.emit(above_total + t, static_cast<int>(cidx[i]), raw, key);
+    const uint32_t q = (n + NT - 1) / NT;
+    const uint32_t i0 = min(threadIdx.x * q, n), i1 = min(i0 + q, n);
+    uint32_t mine = 0;
+    for (uint32_t i = i0; i < i1; ++i) {
+      const uint32_t key = F::key(craw[i]);
+      mine += (s.gt(key) ? 0x10000u : 0u) + (s.eq(key) ? 1u : 0u);
+    }
+    uint32_t incl = mine;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t o2 = __shfl_up_sync(kFull, incl, off);
+      if (lane >= off) incl += o2;
+    }
+    if (lane == 31) sh.wa[ph][threadIdx.x >> 5] = incl;
+    __syncthreads();
+    uint32_t tot;
+    const uint32_t excl = warp_prefix(sh.wa, tot) + incl - mine;
+    ph ^= 1;
+    uint32_t gp = excl >> 16, ep = excl & 0xFFFFu;
+    for (uint32_t i = i0; i < i1; ++i) {
+      const uint32_t raw = craw[i], key = F::key(raw);
+      if (s.gt(key)) {
+        o.emit(gp++, static_cast<int>(cidx[i]), raw, key);
+      } else if (s.eq(key)) {
+        if (ep < s.krem) o.emit(above_total + ep, static_cast<int>(cidx[i]), raw, key);
+        ++ep;
       }
     }
   }
@@ -744,14 +805,15 @@ struct Ctx {
 
 // Out of line (runs rarely): the streaming loop keeps its registers.
 template <int FMT, int NT, int U>
-__device__ __noinline__ uint32_t compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap,
-                                                uint32_t kk, uint32_t thr) {
-  Ctx<FMT, NT, U> cx{sh, craw, cidx, nullptr, nullptr, {}, 1, 0, 11, cap, kk, thr, 0.f, true};
-  return cx.compact_now();
+__device__ __noinline__ Compacted compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap, uint32_t kk,
+                                                 uint32_t thr, uint32_t cnt, uint32_t mx, int ph) {
+  Ctx<FMT, NT, U> cx{sh, &sh, craw, cidx, craw, cidx, {}, 1, cap, kk, thr, 0.f, true, true, false, ph, cnt, mx};
+  const uint32_t t = cx.compact_now();
+  return Compacted{t, cx.ph};
 }
 
 template <int FMT, int NT, int U>
-__global__ void __launch_bounds__(NT, NT == 256 ? 4 : 2) topk_kernel(const Params P) {
+__global__ void __launch_bounds__(NT, NT == 256 ? 4 : 1) topk_kernel(const Params P) {
   using C_ = Ctx<FMT, NT, U>;
   using F = typename C_::F;
   using Raw = typename F::Raw;
@@ -762,9 +824,6 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 2) topk_kernel(const Param
   unsigned char* dyn = smem + sizeof(Shared);
   unsigned long long* sel = reinterpret_cast<unsigned long long*>(dyn);
   if (P.sorted) dyn += kTopkMaxK * sizeof(unsigned long long);
-  uint32_t* merged = reinterpret_cast<uint32_t*>(dyn);
-  uint32_t* red = merged + kBins;
-  if (P.G > 1) dyn += (kBins + kBins / 2) * sizeof(uint32_t);
   uint32_t* craw = reinterpret_cast<uint32_t*>(dyn);
   uint32_t* cidx = craw + P.C;
 
@@ -777,118 +836,109 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 2) topk_kernel(const Param
   int L = P.N;
   if (P.lengths) L = min(max(__ldg(P.lengths + row), 0), P.N);
   const int kk = min(P.k, L);
+  TOPK_PROBE(0, clock64());
+  TOPK_PROBE(8, 0ull);
 
-  // This CTA's share of [0, L): whole 16-byte vectors [seg_start, seg_end); rank 0 also
-  // takes the unaligned head [0, head), the last rank the tail [seg_end, L).
-  int head = static_cast<int>(((16u - (static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)) & 15u)) & 15u) /
-                              sizeof(Raw));
-  head = min(head, L);
+  for (int i = tid; i < 2 * kBins / 4; i += NT) reinterpret_cast<uint4*>(sh.hist)[i] = make_uint4(0u, 0u, 0u, 0u);
+  if (tid == 0) {
+    sh.cnt = 0;
+    sh.fail = 0;
+    sh.mx = 0;
+  }
+  __syncthreads();
+  if (G > 1) cluster_arrive();  // waited for before the first remote access
+
+  // Part r of [0, L): whole 16-byte vectors [v0, v1) after the unaligned head [0, head);
+  // rank 0 also takes the head, the last rank the tail [head + V * VEC, L).
+  const int head = min(static_cast<int>(((16u - (static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)) & 15u)) &
+                                         15u) / sizeof(Raw)), L);
   const int V = (L - head) / VEC;
-  const int vpc = (V + G - 1) >> lg_g;
-  const int v0 = min(rank * vpc, V), v1 = min(v0 + vpc, V);
-  const int seg_start = head + v0 * VEC;
-
-  C_ cx{sh, craw, cidx, red, merged, {}, G, rank, 11 - lg_g, static_cast<uint32_t>(P.C),
-        static_cast<uint32_t>(kk), 0u, 0.f, true};
-  cx.c.p = p;
-  cx.c.lo = rank == 0 ? 0 : seg_start;
-  cx.c.hi = rank == G - 1 ? L : head + v1 * VEC;
-  cx.c.seg0 = seg_start - VEC;
-  cx.c.nslots = v1 - v0 + 2;
-
-  cg::cluster_group cl = cg::this_cluster();
+  auto part = [&](int r, int g) {
+    const int vpc = (V + g - 1) / g;
+    const int v0 = min(r * vpc, V), v1 = min(v0 + vpc, V);
+    Part<F> c;
+    c.p = p;
+    c.lo = r == 0 ? 0 : head + v0 * VEC;
+    c.hi = r == g - 1 ? L : head + v1 * VEC;
+    c.seg0 = head + v0 * VEC - VEC;
+    c.nslots = v1 - v0 + 2;
+    return c;
+  };
   auto make_out = [&]() {  // built where used: not live across the streaming loop
     Out<F> o;
     o.values = P.values ? static_cast<Raw*>(P.values) + row * P.k : nullptr;
     o.indices = P.idx64 ? static_cast<void*>(static_cast<int64_t*>(P.indices) + row * P.k)
                         : static_cast<void*>(static_cast<int32_t*>(P.indices) + row * P.k);
-    o.sel = G > 1 ? cl.map_shared_rank(sel, 0) : sel;
+    o.sel = sel;
     o.idx64 = P.idx64 != 0;
     o.sorted = P.sorted != 0;
     return o;
   };
 
-#pragma unroll
-  for (int q = 0; q < kBins / (4 * NT); ++q)
-    reinterpret_cast<uint4*>(sh.hist)[q * NT + tid] = make_uint4(0u, 0u, 0u, 0u);
-  if (tid == 0) {
-    sh.cnt = 0;
-    sh.vend = kNone;
-    sh.mx = 0;
-    sh.mn = kNone;
-    sh.cnt_gt = sh.cnt_eq = sh.tk_gt = sh.tk_eq = sh.tk_ret = 0;
-  }
-  __syncthreads();
-
-  bool remote_counters = false;  // unsorted G > 1: arrived after the DSMEM atomics
   if (kk == L) {
-    // Every element is selected (L <= k, including L == 0): slot = index.
+    // Every element is selected (L <= k, including L == 0): rank 0, slot = index.
+    if (G > 1) cluster_wait();
+    if (rank != 0) return;
     const Out<F> o = make_out();
-    if (o.sorted && G > 1) cluster_sync();  // rank 0 is running before its buffer is written
-    for (int e = cx.c.lo + tid; e < cx.c.hi; e += NT) {
+    for (int e = tid; e < L; e += NT) {
       const uint32_t raw = __ldg(p + e);
       o.emit(e, e, raw, F::key(raw));
     }
   } else {
-    Sel s{};
-    uint32_t D = 0, n = 0;
-#pragma unroll 1
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      cx.stream(attempt == 0, L);
-      n = sh.cnt;  // <= C (the last round fitted)
-      cx.buffer_range(n);
-      D = cx.thr;
-      uint32_t MX = sh.mx, MN = sh.mn;
-      if (G > 1) {
-        if (tid == 0) sh.dr = cx.thr;
-        cluster_sync();
-        for (int r = 0; r < G; ++r) {
-          D = max(D, *cl.map_shared_rank(&sh.dr, r));
-          MX = max(MX, *cl.map_shared_rank(&sh.mx, r));
-          MN = min(MN, *cl.map_shared_rank(&sh.mn, r));
-        }
-      }
-      s = cx.select(n, D, max(D, MN), MX, static_cast<uint32_t>(kk), G > 1);
-      if (s.ok) break;
-      // Fewer than K candidates above the estimate: stream again, keeping everything.
-      if (tid == 0) {
-        sh.cnt = 0;
-        sh.mx = 0;
-        sh.mn = kNone;
-      }
-      __syncthreads();
-    }
-    const Out<F> o = make_out();
-    uint32_t base_gt = 0, base_eq = 0;
+    cg::cluster_group cl = cg::this_cluster();
+    Shared* rsh = G > 1 ? cl.map_shared_rank(&sh, 0) : &sh;
+    uint32_t* rraw = G > 1 ? cl.map_shared_rank(craw, 0) : craw;
+    uint32_t* ridx = G > 1 ? cl.map_shared_rank(cidx, 0) : cidx;
+    C_ cx{sh, rsh, craw, cidx, rraw, ridx, part(rank, G), G, static_cast<uint32_t>(P.C),
+          static_cast<uint32_t>(kk), 0u, 0.f, true, false, false, 0, 0u, 0u};
+    cx.stream(true, 0u, L);
+    TOPK_PROBE(1, clock64());
     if (G > 1) {
-      if (tid == 0) {
-        sh.base_gt = atomicAdd(cl.map_shared_rank(&sh.cnt_gt, 0), s.gt_local);
-        sh.base_eq = atomicAdd(cl.map_shared_rank(&sh.cnt_eq, 0), s.eq_local);
-      }
+      cluster_sync();  // every append landed in rank 0's buffer
+      if (rank != 0) return;
+    } else {
       __syncthreads();
-      base_gt = sh.base_gt;
-      base_eq = sh.base_eq;
-      if (!o.sorted) {
-        cluster_arrive();  // rank 0 waits for this before it exits
-        remote_counters = true;
-      }
     }
-    cx.emit_pass(o, n, D, s, base_gt, base_eq, static_cast<uint32_t>(kk) - s.krem);
+    TOPK_PROBE(2, clock64());
+    TOPK_PROBE(5, sh.cnt);
+    TOPK_PROBE(4, 1);
+    Sel s{0u, 0u, 0, false};
+    const bool overflow = sh.fail != 0;
+    if (!overflow) s = cx.select(sh.cnt, cx.thr, sh.mx, static_cast<uint32_t>(kk));
+    TOPK_PROBE(3, clock64());
+    if (!s.ok) {
+      // Rare: the cluster's buffer overflowed (keep thr: more than C keys are above it) or
+      // fewer than K keys are above thr (start from 0). Rank 0 streams the whole row with
+      // compaction on overflow; that select cannot fail.
+      TOPK_PROBE(4, 2);
+      const uint32_t t = overflow ? cx.thr : 0u;
+      cx.cnt = 0;
+      cx.mx = 0;
+      cx.robust = true;
+      cx.c = part(0, 1);
+      cx.G = 1;
+      cx.rsh = &sh;
+      cx.rraw = craw;
+      cx.ridx = cidx;
+      cx.dead = false;
+      cx.stream(false, t, L);
+      __syncthreads();
+      s = cx.select(sh.cnt, cx.thr, sh.mx, static_cast<uint32_t>(kk));
+    }
+    cx.emit_pass(make_out(), sh.cnt, s, static_cast<uint32_t>(kk) - s.krem);
+    TOPK_PROBE(6, clock64());
   }
 
+  // Rank 0 from here on.
   const Out<F> o = make_out();
-  if (rank == 0) {
+  {
     Out<F> og = o;
     og.sorted = false;
     for (int pos = kk + tid; pos < P.k; pos += NT) og.pad(pos);
   }
   if (o.sorted) {
-    if (G > 1) {
-      cluster_sync();  // every CTA's pairs are in rank 0's buffer
-    } else {
-      __syncthreads();
-    }
-    if (rank != 0 || kk == 0) return;
+    __syncthreads();
+    if (kk == 0) return;
     int n = 1;
     while (n < kk) n <<= 1;
     for (int i = kk + tid; i < n; i += NT) sel[i] = 0ull;  // below every real pair
@@ -900,12 +950,21 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 2) topk_kernel(const Param
       const int e = static_cast<int>(static_cast<uint32_t>(sel[i]));
       og.emit(i, e, og.values ? __ldg(p + e) : 0u, 0u);
     }
-  } else if (remote_counters) {
-    cluster_wait();
   }
 }
 
 constexpr int kU = 4;  // 16-byte loads per thread and set (two sets in flight)
+
+template <int FMT>
+void set_attrs(int dev) {
+  (void)dev;
+  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, 256, kU>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024),
+             "topk: cudaFuncSetAttribute");
+  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, kBig, kU>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024),
+             "topk: cudaFuncSetAttribute");
+  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, kBig, kU>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+             "topk: cudaFuncSetAttribute");
+}
 
 // Opts every kernel variant into large dynamic shared memory, once per device (on the
 // first call, so that a later first use of a variant inside a graph capture needs no
@@ -915,15 +974,9 @@ void set_smem_attributes() {
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev < 64 && done[dev]) return;
-  const void* kernels[] = {reinterpret_cast<const void*>(topk_kernel<0, 256, kU>),
-                           reinterpret_cast<const void*>(topk_kernel<0, 512, kU>),
-                           reinterpret_cast<const void*>(topk_kernel<1, 256, kU>),
-                           reinterpret_cast<const void*>(topk_kernel<1, 512, kU>),
-                           reinterpret_cast<const void*>(topk_kernel<2, 256, kU>),
-                           reinterpret_cast<const void*>(topk_kernel<2, 512, kU>)};
-  for (const void* kern : kernels)
-    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024),
-               "topk: cudaFuncSetAttribute");
+  set_attrs<0>(dev);
+  set_attrs<1>(dev);
+  set_attrs<2>(dev);
   if (dev < 64) done[dev] = true;
 }
 
@@ -941,27 +994,28 @@ void launch(const Params& P, int64_t B, int smem, cudaStream_t stream) {
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = P.G > 1 ? 1 : 0;
   check_cuda(cudaLaunchKernelEx(&cfg, kern, P), "topk: launch");
   check_launch("topk");
 }
 
-// Candidate buffer entries: >= 2k (room to append between compactions); 5632 keeps a
-// 256-thread CTA at <= 55 KB, four per SM.
-int buffer_entries(int k) { return k <= 2048 ? 5632 : 2 * k + 1024; }
+// Candidate buffer entries: >= 2K + 1024 (room to append between compactions). Big CTAs
+// (one per SM) take a large buffer so that a sampled threshold practically never overflows
+// it; 256-thread CTAs stay small enough for four per SM up to k = 512 (three above).
+int buffer_entries(int k, int nt) { return nt == kBig ? 16384 : (k <= 512 ? 4096 : 2 * k + 3072); }
 
 }  // namespace
 
 TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted) {
   (void)dtype;
   const int64_t sms = num_sms();
-  int g = 1;  // double while the grid stays within about one wave (two 512-thread CTAs per SM)
-  while (g < kMaxCluster && B * 2 * g <= 2 * sms && N / (2 * g) >= kMinPart) g *= 2;
-  const int nt = g > 1 ? 512 : 256;
-  const int C = buffer_entries(k);
+  int g = 1;  // a cluster per row while B * G fits one CTA per SM and parts stay long
+  while (g < kMaxCluster && B * 2 * g <= sms && N / (2 * g) >= kMinPart) g *= 2;
+  const int nt = B <= sms ? kBig : 256;
+  const int C = buffer_entries(k, nt);
   const int64_t smem = static_cast<int64_t>(sizeof(Shared)) +
                        (sorted ? kTopkMaxK * static_cast<int64_t>(sizeof(unsigned long long)) : 0) +
-                       (g > 1 ? (kBins + kBins / 2) * 4 : 0) + 8 * static_cast<int64_t>(C);
+                       8 * static_cast<int64_t>(C);
   return TopkPlan{g, nt, static_cast<int>(smem)};
 }
 
@@ -982,24 +1036,30 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
   P.N = static_cast<int>(N);
   P.k = k;
   P.G = plan.ctas_per_row;
-  P.C = buffer_entries(k);
+  P.C = buffer_entries(k, plan.threads);
   P.idx64 = idx64;
   P.sorted = sorted;
   set_smem_attributes();
-  const bool wide = plan.threads == 512;
+  const bool wide = plan.threads == kBig;
   switch (dtype) {
     case TopkDtype::kBf16:
-      wide ? launch<0, 512>(P, B, plan.smem_bytes, stream) : launch<0, 256>(P, B, plan.smem_bytes, stream);
+      wide ? launch<0, kBig>(P, B, plan.smem_bytes, stream) : launch<0, 256>(P, B, plan.smem_bytes, stream);
       break;
     case TopkDtype::kF16:
-      wide ? launch<1, 512>(P, B, plan.smem_bytes, stream) : launch<1, 256>(P, B, plan.smem_bytes, stream);
+      wide ? launch<1, kBig>(P, B, plan.smem_bytes, stream) : launch<1, 256>(P, B, plan.smem_bytes, stream);
       break;
     case TopkDtype::kF32:
-      wide ? launch<2, 512>(P, B, plan.smem_bytes, stream) : launch<2, 256>(P, B, plan.smem_bytes, stream);
+      wide ? launch<2, kBig>(P, B, plan.smem_bytes, stream) : launch<2, 256>(P, B, plan.smem_bytes, stream);
       break;
     default:
       throw std::runtime_error("deepfuse: topk: bad dtype code");
   }
 }
+
+#ifdef DEEPFUSE_TOPK_PROBE
+void topk_probe_read(unsigned long long* host, int ctas) {
+  check_cuda(cudaMemcpyFromSymbol(host, g_topk_probe, sizeof(unsigned long long) * 32 * ctas), "probe read");
+}
+#endif
 
 }  // namespace deepfuse
