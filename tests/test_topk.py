@@ -398,8 +398,8 @@ def test_gpu_threshold_at_signed_zero(dtype):
 @pytest.mark.gpu
 def test_gpu_plans_cover_every_cluster_size():
     seen = set()
-    for B, N in [(512, 8192), (1, 8192), (64, 32768), (128, 131072), (1, 131072), (512, 131072), (16, 262144),
-                 (1, 4_000_000)]:
+    for B, N in [(512, 8192), (1, 8192), (64, 32768), (32, 131072), (128, 131072), (1, 131072), (512, 131072),
+                 (16, 262144), (1, 4_000_000)]:
         for dt in DTYPES:
             for k in (1, 2048, 4096):
                 for srt in (False, True):
@@ -542,14 +542,18 @@ def test_gpu_validation():
         ops.topk(x, 3, out=torch.empty(4, 3, dtype=torch.int32))
 
 
-# small cases for compute-sanitizer (memcheck, racecheck): one CTA per row, cluster-split
-# rows (DSMEM merge, remote counters), sorted through rank 0's buffer, select-all, streamed
+# small cases for compute-sanitizer (memcheck, racecheck, synccheck): cluster-split rows
+# (DSMEM appends), 256- and 512-thread CTAs, the fallback (overflow, compaction), sorted
+# through rank 0's buffer, select-all, streamed
 @pytest.mark.gpu
 @pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_sanitize_small(dtype):
-    run_case(dtype, 3, 20000, 512, kind="scores", use_lengths=True, seed=1)  # clusters
-    run_case(dtype, 300, 700, 64, kind="ties", seed=2)  # one CTA per row
+    run_case(dtype, 3, 40000, 512, kind="scores", use_lengths=True, seed=1)  # clusters
+    run_case(dtype, 300, 700, 64, kind="ties", seed=2)  # one 256-thread CTA per row
+    run_case(dtype, 200, 9000, 64, kind="randn", seed=6)  # sampled, 256 threads
+    run_case(dtype, 2, 70000, 1000, kind="allsame", seed=7)  # cluster overflow -> fallback
+    run_case(dtype, 1, 30000, 700, kind="allsame", seed=8)  # one CTA: fallback compactions
     run_case(dtype, 2, 9000, 100, kind="special", sorted_=True, seed=3)
     run_case(dtype, 2, 9000, 4096, kind="randn", use_lengths=True, sorted_=True, seed=4)  # select-all
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one run on the GPU machine: install the carried wheel, GPU tests,
-# compute-sanitizer (memcheck, racecheck) over the `sanitize` tests, microbenchmarks.
+# compute-sanitizer (memcheck, racecheck, synccheck) over the `sanitize` tests, microbenchmarks.
 #   usage (device tool, from the repo root, carrying wheelhouse/):
 #     bash tools/gpu_run.sh [stages...]      stages: info tests sanitize bench (default: all)
 #   env: OUT (results folder; default ./gpu-out), BENCH_ARGS (e.g. "--quick --only cast"),
@@ -35,7 +35,7 @@ for s in $stages; do
     tests)
       run gpu-tests 420 python3 -m pytest -q -m "gpu or sanitize" -p no:cacheprovider tests -k "${KSEL:-}" ;;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in memcheck racecheck synccheck; do
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "sanitize-$tool" 300 compute-sanitizer --tool "$tool" \
           --error-exitcode 9 --target-processes all python3 -m pytest -q -x -m sanitize -p no:cacheprovider tests -k "${KSEL:-}"
       done ;;

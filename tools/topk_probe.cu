@@ -20,13 +20,16 @@ void topk_probe_read(unsigned long long* host, int ctas);
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); exit(1); } } while (0)
 
 // Pseudo-normal values (Box-Muller on a hash), bf16 (fmt 0) or fp32 (fmt 2).
-__global__ void fill(void* x, long long n, int fmt, unsigned seed) {
+__global__ void fill(void* x, long long n, int fmt, unsigned seed, int mode) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     unsigned h = (unsigned)i * 2654435761u ^ seed;
     h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
     unsigned g = h * 747796405u + 2891336453u; g ^= g >> 13; g *= 0x5bd1e995u; g ^= g >> 15;
     float u1 = ((h >> 8) + 1) * (1.0f / 16777217.0f), u2 = (g >> 8) * (1.0f / 16777216.0f);
     float v = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+    if (mode == 1) v = 0.75f;                                    // allsame
+    if (mode == 2) v = (float)(i % 3001) - 1500.f;               // ramp
+    if (mode == 3) v = u2 < 0.45f ? -0.f : (u2 < 0.9f ? 0.f : fabsf(v) + 0.5f);  // signed zeros
     if (fmt == 0) ((__nv_bfloat16*)x)[i] = __float2bfloat16(v); else ((float*)x)[i] = v;
   }
 }
@@ -43,6 +46,7 @@ int main(int argc, char** argv) {
     const int k = atoi(argv[3]);
     shapes = {{k < 0 ? 2 : 0, atoi(argv[1]), atoi(argv[2]), k < 0 ? -k : k}};
   }
+  const int fill_mode = getenv("PROBE_FILL") ? atoi(getenv("PROBE_FILL")) : 0;  // 1 allsame 2 ramp 3 zeros
   void* flush;
   CK(cudaMalloc(&flush, 256 << 20));
   cudaStream_t st;
@@ -58,7 +62,7 @@ int main(int argc, char** argv) {
     void *x, *idx;
     CK(cudaMalloc(&x, (size_t)s.B * s.N * es));
     CK(cudaMalloc(&idx, (size_t)s.B * s.k * 4));
-    fill<<<1024, 256, 0, st>>>(x, (long long)s.B * s.N, s.fmt, 1234u + s.B);
+    fill<<<1024, 256, 0, st>>>(x, (long long)s.B * s.N, s.fmt, 1234u + s.B, fill_mode);
     const auto dt = s.fmt == 0 ? deepfuse::TopkDtype::kBf16 : deepfuse::TopkDtype::kF32;
     auto run = [&]() { deepfuse::topk(x, dt, s.B, s.N, s.N, s.k, nullptr, nullptr, idx, false, false, st); };
     run();
@@ -117,7 +121,7 @@ int main(int argc, char** argv) {
     if (warm) {
       CK(cudaMalloc(&xw, (size_t)132 * s.N * es));
       CK(cudaMalloc(&iw, (size_t)132 * s.k * 4));
-      fill<<<1024, 256, 0, st>>>(xw, (long long)132 * s.N, s.fmt, 99u);
+      fill<<<1024, 256, 0, st>>>(xw, (long long)132 * s.N, s.fmt, 99u, 0);
     }
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
     for (int r = 0; r < 20; ++r) {

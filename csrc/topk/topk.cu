@@ -589,8 +589,8 @@ struct Ctx {
     }
   }
 
-  // G = 1, the buffer [0, cnt) cannot take the next append: keep its K largest keys and raise
-  // thr. Block-collective. An append adds at most NT * U * VEC entries... bounded by C - K.
+  // Robust path, the buffer [0, cnt) (cnt > K) cannot take the next append: keep its K
+  // largest keys and raise thr. Block-collective.
   __device__ __forceinline__ uint32_t compact_now() {
     TOPK_PROBE_ADD(8);
     const uint32_t lo = thr;
@@ -622,11 +622,11 @@ struct Ctx {
     load(nxt, r + 1, n_in);
   }
 
-  // Filters the U vectors of round r (interior slots 1 + (r*U + u)*NT + tid) into the buffer
-  // (one block append per round); `nxt` holds round r + 1 (in flight). G = 1: if the append
-  // does not fit, the buffer is compacted and the round is appended vector by vector, each
-  // read again (one vector per thread adds <= NT * VEC <= C - K entries: fits after a
-  // compaction). G > 1: the CTA stops (dead).
+  // Robust path: filters the U vectors of round r (interior slots 1 + (r*U + u)*NT + tid)
+  // into the buffer (one block append per round); `nxt` holds round r + 1 (in flight). If
+  // the append does not fit, the buffer is compacted (when it holds more than K) and the
+  // round is appended vector by vector, each read again: one vector per thread adds
+  // <= NT * VEC <= C - K entries, so it fits once the buffer holds <= K.
   __device__ __forceinline__ void process(const uint4 (&v)[U], uint4 (&nxt)[U], int r, int n_in) {
     if (!robust) {
       uint32_t m[U];
@@ -658,7 +658,7 @@ struct Ctx {
     }
 #endif
     if (append<U>(v, e0, m)) return;
-    compact_reload(nxt, r, n_in);
+    if (cnt > kk) compact_reload(nxt, r, n_in);  // else: vector by vector fits as it is
 #pragma unroll 1
     for (int u = 0; u < U; ++u) {
       const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
@@ -1037,6 +1037,7 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
   P.k = k;
   P.G = plan.ctas_per_row;
   P.C = buffer_entries(k, plan.threads);
+  if (P.C - k < plan.threads * 8) throw std::runtime_error("deepfuse: topk: buffer too small for the plan");
   P.idx64 = idx64;
   P.sorted = sorted;
   set_smem_attributes();
