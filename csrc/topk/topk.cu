@@ -639,6 +639,13 @@ struct Ctx {
         m[u] = j < n_in ? mask(v[u]) : 0u;
         any |= m[u] != 0u;
       }
+#ifdef DEEPFUSE_TOPK_PROBE
+      if (r == 0) {  // clock read after the masks exist (data dependency)
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) : "r"(m[0] | m[U - 1]));
+        TOPK_PROBE(7, t);
+      }
+#endif
       if (__any_sync(kFull, any) && !warp_insert<U>(v, e0, m)) dead = true;
       return;
     }
