@@ -60,7 +60,6 @@ constexpr int kMaxCluster = 8;
 constexpr int kMinPart = 16384;  // do not split rows into parts smaller than this
 constexpr int kSamples = 1024;   // elements in the threshold sample
 constexpr int kBig = 512;        // threads per CTA while B <= #SMs (one per SM, 128 registers)
-constexpr uint32_t kNone = 0xFFFFFFFFu;
 constexpr unsigned kFull = 0xffffffffu;
 
 // Build with -DDEEPFUSE_TOPK_PROBE (tools/topk_probe.cu) to record per-CTA phase clocks.
@@ -143,9 +142,6 @@ struct Fmt<2> {  // fp32
   }
 };
 
-// x >> s for s in [0, 32].
-__device__ __forceinline__ uint32_t shr(uint32_t x, int s) { return s >= 32 ? 0u : x >> s; }
-
 // The value t of key thr + 1, clamped to [-inf, +inf]: key(x) > thr implies !(x < t) (NaN
 // included). For thr < key(+inf) the converse holds too, except for x = -0.0 when
 // thr = key(-0.0) (then key(x) == thr: a harmless extra candidate).
@@ -158,11 +154,10 @@ __device__ __forceinline__ float thr_float(uint32_t thr) {
 }
 
 struct __align__(16) Shared {
-  uint32_t hist[2][kBins];  // zero between uses (find_bucket clears the bins it reads)
-  uint32_t wsum[32];
+  uint32_t hist[2][kBins];  // zero between uses (find_bucket clears them after its search)
   uint32_t res_bin, res_above, res_cnt, res_total;  // find_bucket result
-  uint32_t cnt;   // buffer entries (G > 1: rank 0's reservation counter for the cluster)
-  uint32_t fail;  // G > 1 (rank 0): some reservation did not fit
+  uint32_t cnt;   // buffer entries; fast path: the reservation counter (rank 0's for a cluster)
+  uint32_t fail;  // fast path (rank 0's): some reservation did not fit
   uint32_t mx;    // largest buffered key (0: none)
   uint32_t wa[2][32], wb[2][32];   // per-warp counts / max keys of a block scan (two phases)
   uint32_t rowt[16];               // find_bucket: totals of the 16 rows of 128 bins
@@ -404,7 +399,7 @@ struct Ctx {
   uint32_t* rraw;  // rank 0's buffer (appends)
   uint32_t* ridx;
   Part<F> c;
-  int G;  // 1: compact on overflow; > 1: stop on overflow
+  int G;  // CTAs of the row (a cluster when > 1); 1 on the fallback path
   uint32_t cap, kk;
   uint32_t thr;  // drop threshold: elements with key <= thr are not buffered
   float tf;      // thr as a float compare (exact while fast)
