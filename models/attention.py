@@ -80,15 +80,7 @@ class Attention(nn.Module):
         idx = torch.where(win >= 0, win, torch.full_like(win, -1)).unsqueeze(0).expand(B, -1, -1)
 
         if self.compressor is not None:
-            state = cache.compressor_state("attn") if cache is not None else None
-            new, state = self.compressor(x, p0, state, rope)
-            if cache is not None:
-                cache.set_compressor_state("attn", state)
-                if new.shape[1]:
-                    cache.append_compressed("attn", new)
-                comp = cache.compressed("attn")
-            else:
-                comp = new
+            comp = self.compressor.cached(x, p0, cache, "attn", rope)
             C = 0 if comp is None else comp.shape[1]
             if C:
                 off = rows.shape[1]

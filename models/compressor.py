@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from deepfuse import ops
 
-from .cache import CompressorState
+from .cache import CompressorState, LayerCache
 from .config import V4Config
 from .linear import Linear, add_slot
 from .norm import RMSNorm
@@ -35,6 +35,19 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.hidden_size, coff * head_dim)
         add_slot(self, "ape", (ratio, coff * head_dim), "fp32")
         self.norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+
+    def cached(self, x: torch.Tensor, p0: int, cache: Optional[LayerCache], name: str,
+               rope: RopeTable) -> Optional[torch.Tensor]:
+        """Compresses x against the cache's state of `name`, appends the new rows there and
+        -> every compressed row so far [B, C, D] (None if none); without a cache: the new rows."""
+        state = cache.compressor_state(name) if cache is not None else None
+        new, state = self(x, p0, state, rope)
+        if cache is None:
+            return new
+        cache.set_compressor_state(name, state)
+        if new.shape[1]:
+            cache.append_compressed(name, new)
+        return cache.compressed(name)
 
     def forward(self, x: torch.Tensor, p0: int, state: Optional[CompressorState], rope: RopeTable):
         """x [B, T, d] at positions p0.. -> (new rows [B, nb, D], new state).

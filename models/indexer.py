@@ -50,15 +50,7 @@ class Indexer(nn.Module):
                 cache: Optional[LayerCache], rope: RopeTable) -> torch.Tensor:
         """-> selected entry indices [B, T, k] (int64, -1 = empty slot)."""
         B, T, _ = x.shape
-        state = cache.compressor_state("index") if cache is not None else None
-        rows, state = self.compressor(x, p0, state, rope)
-        if cache is not None:
-            cache.set_compressor_state("index", state)
-            if rows.shape[1]:
-                cache.append_compressed("index", rows)
-            keys = cache.compressed("index")
-        else:
-            keys = rows
+        keys = self.compressor.cached(x, p0, cache, "index", rope)
         C = 0 if keys is None else keys.shape[1]
         if C == 0:
             return torch.empty(B, T, 0, dtype=torch.long, device=x.device)

@@ -158,11 +158,9 @@ class IndexerKeyFormat(_PagedRows):
             raise ValueError(f"deepfuse: IndexerKeyFormat.scale_fmt must be fp32 or ue8m0, got {self.scale_fmt!r}")
 
 
-@dataclass
-class KVPages:
-    """Paged KV cache of all layers: data [L, num_pages, *fmt.page_shape()]."""
+class _LayerPages:
+    """data [L, num_pages, ...]: the shape queries shared by the paged stores below."""
 
-    fmt: KVFormat
     data: torch.Tensor
 
     @property
@@ -172,6 +170,14 @@ class KVPages:
     @property
     def num_pages(self) -> int:
         return self.data.shape[1]
+
+
+@dataclass
+class KVPages(_LayerPages):
+    """Paged KV cache of all layers: data [L, num_pages, *fmt.page_shape()]."""
+
+    fmt: KVFormat
+    data: torch.Tensor
 
     @property
     def num_slots(self) -> int:
@@ -217,19 +223,11 @@ class SwaRing:
 
 
 @dataclass
-class IndexerKeyPages:
+class IndexerKeyPages(_LayerPages):
     """Paged indexer keys of all layers: data [L, num_pages, *fmt.page_shape()]."""
 
     fmt: IndexerKeyFormat
     data: torch.Tensor
-
-    @property
-    def num_layers(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def num_pages(self) -> int:
-        return self.data.shape[1]
 
     def keys(self) -> torch.Tensor:
         """e4m3 [L, P, page_size, 128] (fp8)."""
