@@ -623,34 +623,15 @@ struct Ctx {
   // round is appended vector by vector, each read again: one vector per thread adds
   // <= NT * VEC <= C - K entries, so it fits once the buffer holds <= K.
   __device__ __forceinline__ void process(const uint4 (&v)[U], uint4 (&nxt)[U], int r, int n_in) {
-    if (!robust) {
-      uint32_t m[U];
-      int e0[U];
-      bool any = false;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
-        e0[u] = c.seg0 + (1 + j) * VEC;
-        m[u] = j < n_in ? mask(v[u]) : 0u;
-        any |= m[u] != 0u;
-      }
-#ifdef DEEPFUSE_TOPK_PROBE
-      if (r == 0) {  // clock read after the masks exist (data dependency)
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) : "r"(m[0] | m[U - 1]));
-        TOPK_PROBE(7, t);
-      }
-#endif
-      if (__any_sync(kFull, any) && !warp_insert<U>(v, e0, m)) dead = true;
-      return;
-    }
     uint32_t m[U];
     int e0[U];
+    bool any = false;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
       e0[u] = c.seg0 + (1 + j) * VEC;
       m[u] = j < n_in ? mask(v[u]) : 0u;
+      any |= m[u] != 0u;
     }
 #ifdef DEEPFUSE_TOPK_PROBE
     if (r == 0) {  // clock read after the masks exist (data dependency)
@@ -659,6 +640,10 @@ struct Ctx {
       TOPK_PROBE(7, t);
     }
 #endif
+    if (!robust) {
+      if (__any_sync(kFull, any) && !warp_insert<U>(v, e0, m)) dead = true;
+      return;
+    }
     if (append<U>(v, e0, m)) return;
     if (cnt > kk) compact_reload(nxt, r, n_in);  // else: vector by vector fits as it is
 #pragma unroll 1
