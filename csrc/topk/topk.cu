@@ -7,43 +7,55 @@
 //
 // Why not a radix select over the whole row: for real-valued data the top digit of the key
 // falls into a few dozen bins, so a histogram of every element serialises on shared-memory
-// atomics to the same addresses. Only ~1K samples and the ~K candidates are histogrammed.
+// atomics to the same addresses. Only 1-4K samples and the ~K candidates are histogrammed.
 // Small rows are a chain of dependent steps on one SM, so the design counts barriers and
 // round trips (tools/topk_probe.cu times each phase; docs/notes/topk-perf.md).
 //
 // Work split: a row is handled by G CTAs (G in {1, 2, 4, 8}; a thread-block cluster when
 // G > 1). G > 1 only while B * G fits one CTA per SM and each part keeps >= 16K elements.
-// CTAs: 512 threads (one per SM, 128 registers) while B <= #SMs, else 256 (up to 4 per SM).
+// B <= #SMs: 512-thread CTAs, one per SM. G = 1: min(B, #SMs) CTAs loop over rows and
+// stream through a shared-memory ring filled by bulk copies (TMA); G > 1 (short parts): a
+// kernel without the ring, register double buffering (measured faster there). B > #SMs: a
+// 256-thread CTA per row (up to 4 per SM, their phases overlap), register double buffering.
 //
-// Per row, with K = min(k, L) (L: the row's length) and a candidate buffer of C >= 2K + 1024
+// Per row, with K = min(k, L) (L: the row's length) and a candidate buffer of C >= 2K + 2048
 // (raw bits, index) pairs in rank 0's shared memory:
-//   sample   (L > C or L > 2K + 2048) 1024 elements in runs of 8 (16-bit) / 4 (fp32) spread
-//            over the row; two histogram levels (top 11 key bits, then 5) give thr = the
-//            r-th largest sample (16-bit keys; fp32: to 16 bits), r = Ks + 3 sqrt(Ks) + 6
-//            (Ks = K * 1024 / L). Every CTA of a cluster reads the same samples: the same
-//            thr, no exchange. The row's first loads are in flight meanwhile.
-//   stream   each CTA reads its part once (16-byte loads, two sets of U per thread in
-//            flight); a float compare against thr (exact while thr < key(+inf)) drops almost
-//            every element; survivors go to rank 0's buffer with one reservation per warp
-//            and round (warp scan + one atomic, DSMEM for G > 1): no barrier in the loop.
-//   fallback rank 0 alone, rare: the buffer overflowed (thr far too low; keep thr) or fewer
-//            than K keys were above thr (restart from 0). The whole row is streamed again
-//            with block-wide appends (a barrier per round); on overflow the CTA keeps the K
-//            largest buffered keys (select + in-place compaction) and raises thr.
+//   sample   (L > C or L > 2K + 2048) whole 16-byte vectors spread evenly over the row,
+//            L / 32 elements clamped to [1024, 4096] (G = 1 with 512 threads: split so
+//            that each thread holds >= 2; else a vector per thread); two histogram levels
+//            (top 11 key bits, then 5) give thr = the r-th largest sample (16-bit keys;
+//            fp32: to 16 bits), r = Ks + z (sqrt(Ks) + 2) (Ks = K * samples / L; z = 3 to
+//            4.5, growing with B: see topk()). Every CTA of a cluster reads the same
+//            samples: the same thr, no exchange. The row's first rounds are in flight.
+//   stream   each CTA reads its part once; packed compares against thr (exact while thr <
+//            key(+inf)) give an element mask per 16-byte vector; a warp scan or a ballot
+//            ranks the survivors, one warp-aggregated atomic reserves their slots in rank
+//            0's buffer (DSMEM for G > 1); rows >= 64K elements (G = 1): each warp first
+//            fills its own segment (no atomic), then the pool. Sampling long rows more
+//            finely keeps the candidates (the costly part of the loop) near K.
+//   fallback rank 0 alone, rare (512 threads: out of line): the buffer overflowed (thr
+//            far too low; keep thr) or fewer than K keys were above thr (restart from 0).
+//            The whole row is streamed again with block-wide appends (a barrier per
+//            round); on overflow the CTA keeps the K largest buffered keys (select +
+//            in-place compaction) and raises thr.
 //   select   rank 0: histograms of (key - base) >> shift over the current range [base,
 //            base + span] (shift: the range fits 2048 bins), starting from [thr, max key];
 //            one level resolves any range of < 2048 keys (bf16 candidates usually), at most
 //            three for fp32. Bucket search: the warps sum 16 rows of 128 bins, warp 0
 //            scans rows then bins (find_bucket).
-//   output   one block scan of packed (above, equal) counts over runs of candidates gives
-//            every thread its slots: keys above the K-th to [0, K - krem), the first krem
-//            equal to it after them. sorted: (key, index) pairs are bitonic-sorted in
-//            shared memory first. Rows shorter than k are padded (index -1, value -inf).
+//   output   one block scan of packed (above, equal) counts gives every thread (contiguous
+//            buffer: a run of entries each) or warp (segments: ballots rank the lanes) its
+//            slots: keys above the K-th to [0, K - krem), the first krem equal to it after
+//            them. sorted: (key, index) pairs are bitonic-
+//            sorted in shared memory first. Rows shorter than k are padded (index -1, -inf).
 // Invariants: every dropped element has key <= thr; every buffered key is >= thr; after a
 // compaction the buffer holds >= K keys >= thr (a valid top-K of what was read).
 // L <= k: every element is selected and goes to the slot equal to its index (rank 0).
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <cstring>
 
 #include <algorithm>
 
@@ -58,8 +70,17 @@ namespace cg = cooperative_groups;
 constexpr int kBins = 2048;  // digit: 11 bits
 constexpr int kMaxCluster = 8;
 constexpr int kMinPart = 16384;  // do not split rows into parts smaller than this
-constexpr int kSamples = 1024;   // elements in the threshold sample
-constexpr int kBig = 512;        // threads per CTA while B <= #SMs (one per SM, 128 registers)
+constexpr int kBig = 512;        // threads per CTA (one CTA per SM)
+constexpr int kU = 3;       // 16-byte vectors per thread and streaming round
+constexpr int kStages = 4;  // rounds in the ring (kStages - 1 in flight while one is filtered)
+constexpr int kRingBytes = kStages * kU * kBig * 16;
+static_assert((kStages & (kStages - 1)) == 0, "stages: a power of two");
+constexpr int kBuffer = 13312;  // candidate buffer entries (raw bits, index)
+constexpr int kMaxSeg = kBig / 32;  // fast path: one buffer segment per warp (G = 1, long rows)
+constexpr int kSegMinLen = 65536;  // rows at least this long use per-warp segments (measured)
+static_assert(kRingBytes >= kTopkMaxK * 8, "the sorted pair buffer aliases the ring");
+// The robust path: after a compaction to K entries one round of one vector per thread fits.
+static_assert(kBuffer - kTopkMaxK >= kBig * 8, "candidate buffer");
 constexpr unsigned kFull = 0xffffffffu;
 
 // Build with -DDEEPFUSE_TOPK_PROBE (tools/topk_probe.cu) to record per-CTA phase clocks.
@@ -74,6 +95,15 @@ __device__ unsigned long long g_topk_probe[4096][32];
 #define TOPK_PROBE_ADD(i) do {} while (0)
 #endif
 
+// 8-bit mask from four words of two 16-bit lane masks (0xFFFF or 0 each): bit 2w + h is
+// half h of word w. One byte of each half (byte_perm), then one bit per byte (a multiply
+// sums the bytes' distinct bits into the top byte).
+__device__ __forceinline__ uint32_t pack_halves(uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  const uint32_t lo = __byte_perm(m0, m1, 0x6420) & 0x08040201u;
+  const uint32_t hi = __byte_perm(m2, m3, 0x6420) & 0x08040201u;
+  return ((lo * 0x01010101u) >> 24) | (((hi * 0x01010101u) >> 24) << 4);
+}
+
 template <int FMT>
 struct Fmt;
 template <>
@@ -87,16 +117,16 @@ struct Fmt<0> {  // bf16
     return (r & 0x7FFFu) > 0x7F80u ? 0xFFFFu : k;
   }
   __device__ __forceinline__ static float to_float(uint32_t r) { return __uint_as_float(r << 16); }
-  // Bit i: element i of v is not below t (NaN included).
+  // Bit i: element i of v is not below t (NaN included; t a bf16 value).
   __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      m |= static_cast<uint32_t>(!(__uint_as_float(w[i] << 16) < t)) << (2 * i);
-      m |= static_cast<uint32_t>(!(__uint_as_float(w[i] & 0xFFFF0000u) < t)) << (2 * i + 1);
-    }
-    return m;
+    const __nv_bfloat162 t2 = __float2bfloat162_rn(t);
+    return pack_halves(__hgeu2_mask(as2(v.x), t2), __hgeu2_mask(as2(v.y), t2), __hgeu2_mask(as2(v.z), t2),
+                       __hgeu2_mask(as2(v.w), t2));
+  }
+  __device__ __forceinline__ static __nv_bfloat162 as2(uint32_t w) {
+    __nv_bfloat162 h;
+    memcpy(&h, &w, 4);
+    return h;
   }
 };
 template <>
@@ -113,14 +143,14 @@ struct Fmt<1> {  // fp16
     return __half2float(__ushort_as_half(static_cast<unsigned short>(r)));
   }
   __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      m |= static_cast<uint32_t>(!(to_float(w[i] & 0xFFFFu) < t)) << (2 * i);
-      m |= static_cast<uint32_t>(!(to_float(w[i] >> 16) < t)) << (2 * i + 1);
-    }
-    return m;
+    const __half2 t2 = __float2half2_rn(t);
+    return pack_halves(__hgeu2_mask(as2(v.x), t2), __hgeu2_mask(as2(v.y), t2), __hgeu2_mask(as2(v.z), t2),
+                       __hgeu2_mask(as2(v.w), t2));
+  }
+  __device__ __forceinline__ static __half2 as2(uint32_t w) {
+    __half2 h;
+    memcpy(&h, &w, 4);
+    return h;
   }
 };
 template <>
@@ -156,20 +186,43 @@ __device__ __forceinline__ float thr_float(uint32_t thr) {
 struct __align__(16) Shared {
   uint32_t hist[2][kBins];  // zero between uses (find_bucket clears them after its search)
   uint32_t res_bin, res_above, res_cnt, res_total;  // find_bucket result
-  uint32_t cnt;   // buffer entries; fast path: the reservation counter (rank 0's for a cluster)
-  uint32_t fail;  // fast path (rank 0's): some reservation did not fit
+  uint32_t cnt;   // robust path: buffer entries; fast path: entries reserved in the pool
+  uint32_t fail;  // fast path (rank 0's): some append did not fit
   uint32_t mx;    // largest buffered key (0: none)
   uint32_t wa[2][32], wb[2][32];   // per-warp counts / max keys of a block scan (two phases)
   uint32_t rowt[16];               // find_bucket: totals of the 16 rows of 128 bins
+  uint32_t segcnt[kMaxSeg];        // fast path (rank 0's): entries in each warp's segment
+  unsigned long long full[kStages], empty[kStages];  // ring stage barriers (see Ctx::issue)
+};
+
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, uint32_t parity) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Where the candidates of rank 0's buffer lie: segment u in [u * S, u * S + segcnt[u]) for
+// u < nseg (fast path: one per warp of the row, written without atomics), then the pool
+// [pool0, pool0 + pooln) (fast path: reserved with atomics once a warp's segment is full;
+// robust path: the whole buffer, nseg = 0).
+struct Layout {
+  uint32_t S, nseg, pool0, pooln;
 };
 
 struct Params {
   const void* x;
-  int64_t ld;
+  int64_t ld, B;
   const int32_t* lengths;
   void* values;
   void* indices;
   int N, k, G, C, idx64, sorted;
+  float z;  // threshold margin in standard deviations of the sampled count (see topk)
 };
 
 __device__ __forceinline__ void cluster_arrive() {
@@ -381,16 +434,17 @@ struct Compacted {
   int ph;
 };
 
-template <int FMT, int NT, int U>
+template <int FMT, int NT, int U, bool Ring>
 __device__ __noinline__ Compacted compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap, uint32_t kk,
                                                  uint32_t thr, uint32_t cnt, uint32_t mx, int ph);
 
-template <int FMT, int NT, int U>
+template <int FMT, int NT, int U, bool Ring>
 struct Ctx {
   using F = Fmt<FMT>;
   using Raw = typename F::Raw;
   static constexpr int VEC = 16 / sizeof(Raw);
   static constexpr int KB = F::kBits;
+  static constexpr bool kRing = Ring;  // bulk copies into a ring (512 threads, G = 1); else registers
 
   Shared& sh;      // this CTA's
   Shared* rsh;     // rank 0's (appends, max key, fail flag); &sh for G = 1
@@ -404,11 +458,16 @@ struct Ctx {
   uint32_t thr;  // drop threshold: elements with key <= thr are not buffered
   float tf;      // thr as a float compare (exact while fast)
   bool fast;     // thr < key(+inf): the float compare decides
-  bool robust;   // block appends with compaction on overflow (G = 1); else per-warp appends
-  bool dead;     // fast path: this warp's append did not fit (it stops; rank 0 sees `fail`)
   int ph;        // block-scan phase (0/1)
   uint32_t cnt;  // G = 1: buffer entries written
   uint32_t mx;   // robust: largest buffered key (0: none); fast: this thread's appended max
+  uint32_t S = 0;      // fast path: entries per segment
+  uint32_t seg = 0;    // fast path: this warp's segment of rank 0's buffer
+  uint32_t pool0 = 0;  // fast path: the pool [pool0, cap) of rank 0's buffer
+  uint32_t wc = 0;     // fast path: entries in this warp's segment
+  uint4* ring = nullptr;  // streaming stages (see issue)
+  uint32_t g0 = 0;        // rounds streamed by this CTA before this stream
+  float z = 4.f;          // threshold margin (Params::z)
 
   // Exclusive prefix over the warps of a per-warp value published in a[ph][warp] by lane 0
   // (after the caller's barrier): returns the sum over lower warps; `tot` gets the total.
@@ -426,41 +485,64 @@ struct Ctx {
   }
 
   // Fast path: appends this warp's elements of masks m[q] (bit i: element e0[q] + i of v[q])
-  // with one reservation on rank 0's counter (no barrier). Warp-collective. Returns false
-  // (whole warp, nothing written, rank 0's `fail` set) if it does not fit the buffer.
+  // to its own segment of rank 0's buffer (no atomic, no barrier; DSMEM for a cluster), or
+  // once that is full to the pool (one atomic). Warp-collective. A pool overflow sets rank
+  // 0's `fail` (the row restarts on the robust path) and writes nothing.
   template <int NV>
-  __device__ __forceinline__ bool warp_insert(const uint4 (&v)[NV], const int (&e0)[NV], const uint32_t (&m)[NV]) {
+  __device__ __forceinline__ void warp_insert(const uint4 (&v)[NV], const int (&e0)[NV], const uint32_t (&m)[NV]) {
     const int lane = threadIdx.x & 31;
     uint32_t n = 0;
 #pragma unroll
     for (int q = 0; q < NV; ++q) n += __popc(m[q]);
-    uint32_t incl = n;
+    const uint32_t b1 = __ballot_sync(kFull, n != 0u);
+    if (b1 == 0u) return;
+    uint32_t excl, total;
+    if (__all_sync(kFull, n <= 1u)) {  // common: a ballot ranks them
+      excl = __popc(b1 & ((1u << lane) - 1u));
+      total = __popc(b1);
+    } else {
+      uint32_t incl = n;
 #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t o = __shfl_up_sync(kFull, incl, off);
-      if (lane >= off) incl += o;
-    }
-    const uint32_t total = __shfl_sync(kFull, incl, 31);
-    if (total == 0) return true;
-    uint32_t base = 0;
-    if (lane == 31) {
-      base = atomicAdd(&rsh->cnt, total);
-      if (base + total > cap) rsh->fail = 1u;
-    }
-    base = __shfl_sync(kFull, base, 31);
-    if (base + total > cap) return false;
-    uint32_t pos = base + incl - n;
-#pragma unroll
-    for (int q = 0; q < NV; ++q) {
-      for (uint32_t mm = m[q]; mm; mm &= mm - 1u, ++pos) {  // usually zero or one bit
-        const int i = __ffs(mm) - 1;
-        const uint32_t raw = elem_dyn<VEC>(v[q], i);
-        rraw[pos] = raw;
-        ridx[pos] = static_cast<uint32_t>(e0[q] + i);
-        mx = max(mx, F::key(raw));
+      for (int off = 1; off < 32; off <<= 1) {
+        const uint32_t o = __shfl_up_sync(kFull, incl, off);
+        if (lane >= off) incl += o;
       }
+      excl = incl - n;
+      total = __shfl_sync(kFull, incl, 31);
     }
-    return true;
+    uint32_t pos;
+    if (wc + total <= S) {
+      pos = seg * S + wc + excl;
+      wc += total;
+    } else {
+      uint32_t base = 0;
+      if (lane == 0) {
+        base = atomicAdd(&rsh->cnt, total);
+        if (pool0 + base + total > cap) rsh->fail = 1u;
+      }
+      base = __shfl_sync(kFull, base, 0);
+      if (pool0 + base + total > cap) return;
+      pos = pool0 + base + excl;
+    }
+    uint32_t mm = 0;
+#pragma unroll
+    for (int q = 0; q < NV; ++q) mm |= m[q] << (q * VEC);
+    for (; mm; mm &= mm - 1u, ++pos) {  // usually zero or one bit
+      const int b = __ffs(mm) - 1, q = b / VEC, i = b % VEC;
+      uint4 vq = v[0];
+      int e = e0[0];
+#pragma unroll
+      for (int t = 1; t < NV; ++t) {
+        if (q == t) {
+          vq = v[t];
+          e = e0[t];
+        }
+      }
+      const uint32_t raw = elem_dyn<VEC>(vq, i);
+      rraw[pos] = raw;
+      ridx[pos] = static_cast<uint32_t>(e + i);
+      mx = max(mx, F::key(raw));
+    }
   }
 
   // Appends every thread's elements of masks m[q] (bit i: element e0[q] + i of v[q]) at
@@ -514,22 +596,36 @@ struct Ctx {
     return m;
   }
 
-  // Select of the `need` largest keys >= lo of this CTA's buffer[0, n); every key is <= hi.
+  // Calls f(i, valid) for each 32-entry chunk of the candidates in `lay` that this warp
+  // owns: segments warp, warp + NW, ..., then pool chunks round-robin over the warps. Trip
+  // counts are warp-uniform (f may vote); i is an entry of this CTA's buffer when valid.
+  template <class Fn>
+  __device__ __forceinline__ void for_chunks(const Layout& lay, Fn&& f) const {
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (uint32_t u = warp; u < lay.nseg; u += NT / 32) {
+      const uint32_t n = sh.segcnt[u], b = u * lay.S;
+      for (uint32_t c = 0; c < n; c += 32) f(b + c + lane, c + lane < n);
+    }
+    for (uint32_t c = warp * 32; c < lay.pooln; c += NT) f(lay.pool0 + c + lane, c + lane < lay.pooln);
+  }
+
+  // Select of the `need` largest keys >= lo of this CTA's candidates `lay`; every key is <= hi.
   // Each level histograms (key - base) >> shift over the current range [base, base + span]
   // (shift: the range fits 2048 bins), so one level resolves any range of < 2048 keys (bf16
   // candidates usually) and the bins follow the candidates, not fixed digits. ok = false if
   // fewer than `need` keys are >= lo. Uses and clears sh.hist.
-  __device__ __forceinline__ Sel select(uint32_t n, uint32_t lo, uint32_t hi, uint32_t need) {
-    const int tid = threadIdx.x;
+  __device__ __forceinline__ Sel select(const Layout& lay, uint32_t lo, uint32_t hi, uint32_t need) {
     uint32_t base = lo, span = hi >= lo ? hi - lo : 0u, krem = need;
 #pragma unroll 1
     for (int level = 0;; ++level) {
       const int shift = span < kBins ? 0 : 21 - __clz(span);  // (span >> shift) < 2048
       uint32_t* h = sh.hist[(level + 1) & 1];  // level 0: hist[1] (clear), level 1: hist[0], ...
-      for (uint32_t i = tid; i < n; i += NT) {
-        const uint32_t d = F::key(craw[i]) - base;
-        if (d <= span) atomicAdd(h + (d >> shift), 1u);
-      }
+      for_chunks(lay, [&](uint32_t i, bool ok) {
+        if (ok) {
+          const uint32_t d = F::key(craw[i]) - base;
+          if (d <= span) atomicAdd(h + (d >> shift), 1u);
+        }
+      });
       __syncthreads();
       if (level == 0) TOPK_PROBE(11, clock64());
       find_bucket<NT>(sh, h, krem);
@@ -589,12 +685,36 @@ struct Ctx {
   __device__ __forceinline__ uint32_t compact_now() {
     TOPK_PROBE_ADD(8);
     const uint32_t lo = thr;
-    const Sel s = select(cnt, lo, mx, kk);  // cnt > K keys >= lo: cannot fail
+    const Sel s = select(Layout{0u, 0u, 0u, cnt}, lo, mx, kk);  // cnt > K keys >= lo: cannot fail
     compact_pass(cnt, s);
     __syncthreads();
     return s.T;  // the K kept keys are >= T >= lo
   }
 
+  // The ring: kStages stages of U * NT vectors. Round r (interior slots 1 + r*U*NT .. +
+  // U*NT, thread tid's vectors at u*NT + tid) is one bulk copy (TMA) by thread 0 into stage
+  // g % kStages, g = g0 + r counting rounds over the CTA's life; full[stage] completes with
+  // its bytes, empty[stage] once every warp has read it. The streaming loop also puts a
+  // block barrier between reading round r and refilling the stage of round r - 1, for
+  // compute-sanitizer: racecheck does not see mbarrier ordering of raw cp.async.bulk writes
+  // and reports the refill against those reads (a known false positive; with the barrier
+  // it reports nothing). docs/notes/topk-perf.md, session 4.
+  __device__ __forceinline__ void issue(int r, int n_in) const {
+    if (threadIdx.x != 0) return;
+    const int first = r * U * NT, nv = min(U * NT, n_in - first);
+    if (nv <= 0) return;
+    const uint32_t g = g0 + static_cast<uint32_t>(r), st = g & (kStages - 1);
+    if (g >= static_cast<uint32_t>(kStages)) mbar_wait(&sh.empty[st], ((g / kStages) - 1) & 1);
+    const uint32_t bytes = static_cast<uint32_t>(nv) * 16u;
+    const uint32_t full = static_cast<uint32_t>(__cvta_generic_to_shared(&sh.full[st]));
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(ring + st * U * NT));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full), "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+        "l"(c.p + static_cast<int64_t>(c.seg0 + (1 + first) * VEC)), "r"(bytes), "r"(full)
+        : "memory");
+  }
+  // Register path (no ring): round r's vectors straight from global memory.
   __device__ __forceinline__ void load(uint4 (&v)[U], int r, int n_in) const {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -602,36 +722,49 @@ struct Ctx {
       v[u] = j < n_in ? c.load_interior(1 + j) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
-
-  __device__ __forceinline__ uint32_t mask(const uint4& v) const {
-    return fast ? F::ge_mask(v, tf) : exact_mask(v);
+  // Round r's vectors (after its bulk copy landed); then this warp releases the stage.
+  __device__ __forceinline__ void fetch(uint4 (&v)[U], int r, int n_in) const {
+    const uint32_t g = g0 + static_cast<uint32_t>(r), st = g & (kStages - 1);
+    mbar_wait(&sh.full[st], (g / kStages) & 1);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
+      v[u] = j < n_in ? ring[(st * U + u) * NT + threadIdx.x] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(
+                       static_cast<uint32_t>(__cvta_generic_to_shared(&sh.empty[st])))
+                   : "memory");
+    }
   }
 
-  // G = 1: the next append does not fit. Compacts the buffer to K entries, raises thr and
-  // loads the next round again (no vector register lives across the out-of-line call).
-  __device__ __forceinline__ void compact_reload(uint4 (&nxt)[U], int r, int n_in) {
-    const Compacted cp = compact_buffer<FMT, NT, U>(sh, craw, cidx, cap, kk, thr, cnt, mx, ph);
+  __device__ __forceinline__ uint32_t mask(const uint4& v) const {
+    if (!fast) return exact_mask(v);
+    return F::ge_mask(v, tf);
+  }
+
+  // G = 1: the next append does not fit. Compacts the buffer to K entries and raises thr.
+  __device__ __forceinline__ void compact() {
+    const Compacted cp = compact_buffer<FMT, NT, U, Ring>(sh, craw, cidx, cap, kk, thr, cnt, mx, ph);
     set_thr(cp.thr);
     ph = cp.ph;
     cnt = kk;
-    load(nxt, r + 1, n_in);
   }
 
-  // Robust path: filters the U vectors of round r (interior slots 1 + (r*U + u)*NT + tid)
-  // into the buffer (one block append per round); `nxt` holds round r + 1 (in flight). If
-  // the append does not fit, the buffer is compacted (when it holds more than K) and the
-  // round is appended vector by vector, each read again: one vector per thread adds
-  // <= NT * VEC <= C - K entries, so it fits once the buffer holds <= K.
-  __device__ __forceinline__ void process(const uint4 (&v)[U], uint4 (&nxt)[U], int r, int n_in) {
+  // Filters round r (the U vectors v) into the buffer. Fast: per-warp appends. Robust: one
+  // block append; if it does not fit, the buffer is compacted (when it holds more than K)
+  // and the round is appended vector by vector, each read again: one vector per thread
+  // adds <= NT * VEC <= C - K entries, so it fits once the buffer holds <= K.
+  template <bool Robust>
+  __device__ __forceinline__ void process(const uint4 (&v)[U], int r, int n_in) {
     uint32_t m[U];
     int e0[U];
-    bool any = false;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
       e0[u] = c.seg0 + (1 + j) * VEC;
       m[u] = j < n_in ? mask(v[u]) : 0u;
-      any |= m[u] != 0u;
     }
 #ifdef DEEPFUSE_TOPK_PROBE
     if (r == 0) {  // clock read after the masks exist (data dependency)
@@ -640,47 +773,63 @@ struct Ctx {
       TOPK_PROBE(7, t);
     }
 #endif
-    if (!robust) {
-      if (__any_sync(kFull, any) && !warp_insert<U>(v, e0, m)) dead = true;
-      return;
-    }
-    if (append<U>(v, e0, m)) return;
-    if (cnt > kk) compact_reload(nxt, r, n_in);  // else: vector by vector fits as it is
+    if constexpr (!Robust) {
+      uint32_t any = 0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) any |= m[u];
+      if (__any_sync(kFull, any != 0u)) warp_insert<U>(v, e0, m);
+#ifdef DEEPFUSE_TOPK_PROBE
+      if (r == 0) {  // clock read after the insert (data dependency)
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(t) : "r"(wc | mx));
+        TOPK_PROBE(16, t);
+        TOPK_PROBE(17, t);
+      }
+#endif
+    } else {
+      if (append<U>(v, e0, m)) return;
+      if (cnt > kk) compact();  // else: vector by vector fits as it is
 #pragma unroll 1
-    for (int u = 0; u < U; ++u) {
-      const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
+      for (int u = 0; u < U; ++u) {
+        const int j = (r * U + u) * NT + static_cast<int>(threadIdx.x);
 #pragma unroll 1
-      for (;;) {
-        const uint4 v1[1] = {j < n_in ? c.load_interior(1 + j) : make_uint4(0u, 0u, 0u, 0u)};
-        const int e1[1] = {c.seg0 + (1 + j) * VEC};
-        const uint32_t m1[1] = {j < n_in ? mask(v1[0]) : 0u};
-        if (append<1>(v1, e1, m1)) break;
-        compact_reload(nxt, r, n_in);
+        for (;;) {
+          const uint4 v1[1] = {j < n_in ? c.load_interior(1 + j) : make_uint4(0u, 0u, 0u, 0u)};
+          const int e1[1] = {c.seg0 + (1 + j) * VEC};
+          const uint32_t m1[1] = {j < n_in ? mask(v1[0]) : 0u};
+          if (append<1>(v1, e1, m1)) break;
+          compact();
+        }
       }
     }
   }
 
-  // Threshold from kSamples elements spread over the row [0, L) (runs of VEC): the lower
-  // edge of the bucket (two 11-bit levels) holding the r-th largest sample. 0: keep all.
-  // `sv` holds this thread's samples (kSamples / NT). Block-collective.
-  __device__ __forceinline__ uint32_t estimate(const uint32_t (&sv)[kSamples / NT], int L) {
-    constexpr int SPT = kSamples / NT;
+  // Threshold from a sample of the row: the lower edge of the bucket (11 key bits, then up
+  // to 5 more) holding the r-th largest of the ns sampled keys. 0: keep all.
+  // Block-collective. sv: this thread's P sampled elements (threads < ns / P hold some).
+  template <int P>
+  __device__ __forceinline__ uint32_t estimate(const uint4& sv, int ns, int L) {
     constexpr int s1 = KB - 11;                 // level 1: top 11 bits
     constexpr int b2 = s1 < 5 ? s1 : 5, s2 = s1 - b2;  // level 2: the next b2 <= 5 bits
+    const bool mine = static_cast<int>(threadIdx.x) * P < ns;
+    if (mine) {
 #pragma unroll
-    for (int i = 0; i < SPT; ++i) atomicAdd(sh.hist[0] + (F::key(sv[i]) >> s1), 1u);
+      for (int i = 0; i < P; ++i) atomicAdd(sh.hist[0] + (F::key(elem<VEC>(sv, i)) >> s1), 1u);
+    }
     __syncthreads();
-    const float ks = __fdividef(static_cast<float>(kk) * kSamples, static_cast<float>(L));
+    const float ks = __fdividef(static_cast<float>(kk) * static_cast<float>(ns), static_cast<float>(L));
     float sq;
     asm("sqrt.approx.f32 %0, %1;" : "=f"(sq) : "f"(ks));
-    const uint32_t r = static_cast<uint32_t>(ks + 3.f * sq + 6.f);
-    find_bucket<NT>(sh, sh.hist[0], min(r, static_cast<uint32_t>(kSamples)));
-    if (r >= kSamples) return 0u;
+    const uint32_t r = static_cast<uint32_t>(ks + z * (sq + 2.f));  // z sigma + 2z above the K-th
+    find_bucket<NT>(sh, sh.hist[0], min(r, static_cast<uint32_t>(ns)));
+    if (r >= static_cast<uint32_t>(ns)) return 0u;
     const uint32_t b1 = sh.res_bin, above = sh.res_above;
+    if (mine) {
 #pragma unroll
-    for (int i = 0; i < SPT; ++i) {
-      const uint32_t key = F::key(sv[i]);
-      if ((key >> s1) == b1) atomicAdd(sh.hist[1] + ((key >> s2) & ((1u << b2) - 1u)), 1u);
+      for (int i = 0; i < P; ++i) {
+        const uint32_t key = F::key(elem<VEC>(sv, i));
+        if ((key >> s1) == b1) atomicAdd(sh.hist[1] + ((key >> s2) & ((1u << b2) - 1u)), 1u);
+      }
     }
     __syncthreads();
     find_bucket<NT, (1 << b2)>(sh, sh.hist[1], r - above);
@@ -688,30 +837,72 @@ struct Ctx {
     return edge ? edge - 1u : 0u;  // buffer keys >= the edge
   }
 
+  // This thread's P elements of the sample: ns elements in whole 16-byte vectors spread
+  // evenly over the row, each vector split over VEC / P threads (few elements per thread:
+  // the histogram loops are a dependent chain per thread).
+  template <int P>
+  __device__ __forceinline__ uint4 sample_load(int ns, int L) const {
+    constexpr int TPV = VEC / P;
+    const int tid = threadIdx.x;
+    const int head = min(static_cast<int>(((16u - (static_cast<uint32_t>(reinterpret_cast<uintptr_t>(c.p)) & 15u)) &
+                                           15u) / sizeof(Raw)), L);
+    const int V = (L - head) / VEC;  // whole vectors of the row (>= ns / VEC: L > 2048)
+    const int nv = ns / VEC;
+    if (tid * P >= ns) return make_uint4(0u, 0u, 0u, 0u);
+    // float, not a 64-bit division (hundreds of cycles of latency)
+    const float step = __fdividef(static_cast<float>(V - 1), static_cast<float>(nv - 1));
+    const int64_t v = min(static_cast<int>(static_cast<float>(tid / TPV) * step), V - 1);
+    const Raw* a = c.p + head + v * VEC + (tid % TPV) * P;
+    if constexpr (P * sizeof(Raw) == 16) {
+      return __ldg(reinterpret_cast<const uint4*>(a));
+    } else if constexpr (P * sizeof(Raw) == 8) {
+      const uint2 h = __ldg(reinterpret_cast<const uint2*>(a));
+      return make_uint4(h.x, h.y, 0u, 0u);
+    } else {
+      return make_uint4(__ldg(reinterpret_cast<const uint32_t*>(a)), 0u, 0u, 0u);
+    }
+  }
+
   // One pass over this CTA's part: buffer every element with key > thr (thr0, or from a
   // sample of the row when `estimate` and the row does not fit the buffer).
-  __device__ void stream(bool est, uint32_t thr0, int L) {
-    constexpr int SPT = kSamples / NT;
+  template <bool Robust>
+  __device__ __forceinline__ void stream(bool est, uint32_t thr0, int L) {
     const int tid = threadIdx.x;
     const int n_in = c.nslots - 2;  // interior slots 1 .. nslots - 2
     const int R = (n_in + NT * U - 1) / (NT * U);
     const bool sample = est && (static_cast<uint32_t>(L) > cap || static_cast<uint32_t>(L) > 2 * kk + 2048);
-    uint4 A[U], B[U];
-    uint32_t sv[SPT];
+    // ns = L / 32 elements in [1024, 4096] (long rows: fewer candidates per element); P
+    // per thread: ns / NT, at least 2, at most a vector
+    const int ns = min(min(max(L / 32, 1024), 4096), NT * VEC);
+    // (clusters and 256-thread CTAs: a whole vector each, measured faster there)
+    const int P = kRing && G == 1 ? min(max(ns / NT, 2), VEC) : VEC;
+    uint4 sv = make_uint4(0u, 0u, 0u, 0u);
     if (sample) {
-      constexpr int runs = kSamples / VEC;
-#pragma unroll
-      for (int i = 0; i < SPT; ++i) {
-        const int s = i * NT + tid, run = s / VEC;
-        const int64_t e = static_cast<int64_t>(run) * (L - VEC) / (runs - 1) + s % VEC;
-        sv[i] = __ldg(c.p + e);
+      if constexpr (kRing) {
+        sv = P == 2 ? sample_load<2>(ns, L) : (P == 4 ? sample_load<4>(ns, L) : sample_load<VEC>(ns, L));
+      } else {
+        sv = sample_load<VEC>(ns, L);
       }
     }
-    load(A, 0, n_in);  // in flight during the estimate (B after it: registers)
+    uint4 A[kRing ? 1 : U], Bv[kRing ? 1 : U];  // register path: two rounds in flight
+    if constexpr (kRing) {
+#pragma unroll
+      for (int r = 0; r < kStages - 1; ++r) issue(r, n_in);  // in flight during the estimate
+    } else {
+      load(A, 0, n_in);
+    }
     uint4 ev = make_uint4(0u, 0u, 0u, 0u);  // the two edge slots (lanes 0 and 1 of warp 0)
     const int es = tid == 0 ? 0 : c.nslots - 1;
     if (tid < 2) ev = c.load_edge(es);
-    set_thr(sample ? estimate(sv, L) : thr0);
+    if (!sample) {
+      set_thr(thr0);
+    } else {
+      if constexpr (kRing) {
+        set_thr(P == 2 ? estimate<2>(sv, ns, L) : (P == 4 ? estimate<4>(sv, ns, L) : estimate<VEC>(sv, ns, L)));
+      } else {
+        set_thr(estimate<VEC>(sv, ns, L));
+      }
+    }
     TOPK_PROBE(9, clock64());
     TOPK_PROBE(10, thr);
     if (G > 1) cluster_wait();  // rank 0's counters are initialised before any append
@@ -724,25 +915,38 @@ struct Ctx {
         for (int i = 0; i < VEC; ++i)
           m1[0] |= static_cast<uint32_t>(c.in(e1[0] + i) && F::key(elem<VEC>(ev, i)) > thr) << i;
       }
-      if (robust) {
+      if constexpr (Robust) {
         append<1>(v1, e1, m1);  // the buffer is empty: fits
-      } else if (tid < 32 && !warp_insert<1>(v1, e1, m1)) {
-        dead = true;
+      } else {
+        if (tid < 32) warp_insert<1>(v1, e1, m1);
       }
     }
     TOPK_PROBE(13, clock64());
-    load(B, 1, n_in);  // all zero (no loads) when R == 1
+    if constexpr (kRing) {
 #pragma unroll 1
-    for (int r = 0; r < R && !dead; r += 2) {  // robust: dead stays false
-      process(A, B, r, n_in);
-      if (r == 0) TOPK_PROBE(15, clock64());
-      if (r + 2 < R) load(A, r + 2, n_in);
-      if (r + 1 < R && !dead) {
-        process(B, A, r + 1, n_in);
-        if (r + 3 < R) load(B, r + 3, n_in);
+      for (int r = 0; r < R; ++r) {
+        uint4 v[U];
+        fetch(v, r, n_in);
+        __syncthreads();               // every thread has read rounds <= r (see issue)
+        issue(r + kStages - 1, n_in);  // into the stage of round r - 1
+        process<Robust>(v, r, n_in);
+        if (r == 0) TOPK_PROBE(15, clock64());
+      }
+      g0 += static_cast<uint32_t>(R);  // every issued round was read
+    } else {
+      load(Bv, 1, n_in);
+#pragma unroll 1
+      for (int r = 0; r < R; r += 2) {
+        process<Robust>(A, r, n_in);
+        if (r == 0) TOPK_PROBE(15, clock64());
+        if (r + 2 < R) load(A, r + 2, n_in);
+        if (r + 1 < R) {
+          process<Robust>(Bv, r + 1, n_in);
+          if (r + 3 < R) load(Bv, r + 3, n_in);
+        }
       }
     }
-    if (robust) {
+    if constexpr (Robust) {
       if (tid == 0) {
         sh.cnt = cnt;
         sh.mx = mx;
@@ -750,17 +954,17 @@ struct Ctx {
     } else {
       const uint32_t m = __reduce_max_sync(kFull, mx);
       if ((tid & 31) == 0 && m) atomicMax(&rsh->mx, m);
+      if ((tid & 31) == 0 && S) rsh->segcnt[seg] = wc;  // S = 0: no segments
     }
   }
 
-  // Writes the selection s of buffer[0, n): keys above T to slots [0, K - krem), of those
-  // equal to T the first krem (in buffer order) to the slots after them. Each thread takes a
-  // run of q = ceil(n / NT) entries; one block scan of the packed (above, equal) counts
-  // (n <= C < 2^16) gives every thread its slots.
-  __device__ void emit_pass(const Out<F>& o, uint32_t n, const Sel& s, uint32_t above_total) {
+  // emit_pass for one contiguous run buffer[b, b + n): each thread takes q = ceil(n / NT)
+  // consecutive entries (independent loads, no votes); one block scan of the packed
+  // (above, equal) counts gives every thread its first slots.
+  __device__ void emit_runs(const Out<F>& o, uint32_t b, uint32_t n, const Sel& s, uint32_t above_total) {
     const int lane = threadIdx.x & 31;
     const uint32_t q = (n + NT - 1) / NT;
-    const uint32_t i0 = min(threadIdx.x * q, n), i1 = min(i0 + q, n);
+    const uint32_t i0 = b + min(threadIdx.x * q, n), i1 = min(i0 + q, b + n);
     uint32_t mine = 0;
     for (uint32_t i = i0; i < i1; ++i) {
       const uint32_t key = F::key(craw[i]);
@@ -788,36 +992,91 @@ struct Ctx {
       }
     }
   }
+
+  // Writes the selection s of the candidates `lay`: keys above T to slots [0, K - krem), of
+  // those equal to T the first krem (in chunk order) to the slots after them. One block scan
+  // of each warp's packed (above << 16 | equal) counts (< C <= 2^16 each) gives every warp
+  // its first slots; in each chunk ballots rank the lanes.
+  __device__ void emit_pass(const Out<F>& o, const Layout& lay, const Sel& s, uint32_t above_total) {
+    if (lay.nseg == 0) return emit_runs(o, lay.pool0, lay.pooln, s, above_total);
+    const uint32_t lane = threadIdx.x & 31, lt = (1u << lane) - 1u;
+    uint32_t mine = 0;
+    for_chunks(lay, [&](uint32_t i, bool ok) {
+      const uint32_t key = ok ? F::key(craw[i]) : 0u;
+      mine += (__popc(__ballot_sync(kFull, ok && s.gt(key))) << 16) + __popc(__ballot_sync(kFull, ok && s.eq(key)));
+    });
+    if (lane == 0) sh.wa[ph][threadIdx.x >> 5] = mine;
+    __syncthreads();
+    uint32_t tot;
+    const uint32_t excl = warp_prefix(sh.wa, tot);
+    ph ^= 1;
+    uint32_t gp = excl >> 16, ep = excl & 0xFFFFu;
+    for_chunks(lay, [&](uint32_t i, bool ok) {
+      const uint32_t raw = ok ? craw[i] : 0u, key = F::key(raw);
+      const bool g = ok && s.gt(key), e = ok && s.eq(key);
+      const uint32_t gb = __ballot_sync(kFull, g), eb = __ballot_sync(kFull, e);
+      if (g) {
+        o.emit(gp + __popc(gb & lt), static_cast<int>(cidx[i]), raw, key);
+      } else if (e) {
+        const uint32_t r = ep + __popc(eb & lt);
+        if (r < s.krem) o.emit(above_total + r, static_cast<int>(cidx[i]), raw, key);
+      }
+      gp += __popc(gb);
+      ep += __popc(eb);
+    });
+  }
 };
 
 // Out of line (runs rarely): the streaming loop keeps its registers.
-template <int FMT, int NT, int U>
+template <int FMT, int NT, int U, bool Ring>
 __device__ __noinline__ Compacted compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap, uint32_t kk,
                                                  uint32_t thr, uint32_t cnt, uint32_t mx, int ph) {
-  Ctx<FMT, NT, U> cx{sh, &sh, craw, cidx, craw, cidx, {}, 1, cap, kk, thr, 0.f, true, true, false, ph, cnt, mx};
+  Ctx<FMT, NT, U, Ring> cx{sh, &sh, craw, cidx, craw, cidx, {}, 1, cap, kk, thr, 0.f, true, ph, cnt, mx};
   const uint32_t t = cx.compact_now();
   return Compacted{t, cx.ph};
 }
 
-template <int FMT, int NT, int U>
-__global__ void __launch_bounds__(NT, NT == 256 ? 4 : 1) topk_kernel(const Params P) {
-  using C_ = Ctx<FMT, NT, U>;
+struct Refiltered {
+  Sel s;
+  uint32_t n;  // buffer entries
+  int ph;
+  uint32_t g0;
+};
+
+// The fallback (rare; out of line: the fast path's code stays short): rank 0 alone
+// streams the whole row c from threshold t with block appends and compaction on
+// overflow, then selects; that select cannot fail.
+template <int FMT, int NT, int U, bool Ring>
+__device__ __noinline__ Refiltered refilter(Shared& sh, uint32_t* craw, uint32_t* cidx, Part<Fmt<FMT>> c, uint32_t cap,
+                                            uint32_t kk, uint32_t t, int ph, uint4* ring, uint32_t g0, int L) {
+  Ctx<FMT, NT, U, Ring> cx{sh, &sh, craw, cidx, craw, cidx, c, 1, cap, kk, 0u, 0.f, true, ph, 0u, 0u};
+  cx.ring = ring;
+  cx.g0 = g0;
+  cx.template stream<true>(false, t, L);
+  __syncthreads();
+  const uint32_t n = sh.cnt;
+  const Sel s = cx.select(Layout{0u, 0u, 0u, n}, cx.thr, sh.mx, kk);
+  return Refiltered{s, n, cx.ph, cx.g0};
+}
+
+template <int FMT, int NT, int U, bool Ring>
+__device__ __forceinline__ void topk_row(const Params& P, int64_t row, int rank, uint32_t& rounds) {
+  using C_ = Ctx<FMT, NT, U, Ring>;
   using F = typename C_::F;
   using Raw = typename F::Raw;
   constexpr int VEC = C_::VEC;
 
   extern __shared__ __align__(16) unsigned char smem[];
   Shared& sh = *reinterpret_cast<Shared*>(smem);
-  unsigned char* dyn = smem + sizeof(Shared);
-  unsigned long long* sel = reinterpret_cast<unsigned long long*>(dyn);
-  if (P.sorted) dyn += kTopkMaxK * sizeof(unsigned long long);
-  uint32_t* craw = reinterpret_cast<uint32_t*>(dyn);
+  // 512 threads: [Shared][ring (the sorted pairs after streaming)][buffer]; 256 threads:
+  // [Shared][sorted pairs, if sorted][buffer].
+  uint4* ring = reinterpret_cast<uint4*>(smem + sizeof(Shared));
+  unsigned long long* sel = reinterpret_cast<unsigned long long*>(ring);
+  const int mid = C_::kRing ? kRingBytes : (P.sorted ? kTopkMaxK * 8 : 0);
+  uint32_t* craw = reinterpret_cast<uint32_t*>(smem + sizeof(Shared) + mid);
   uint32_t* cidx = craw + P.C;
 
   const int G = P.G;
-  const int lg_g = __ffs(G) - 1;
-  const int rank = blockIdx.x & (G - 1);
-  const int64_t row = blockIdx.x >> lg_g;
   const int tid = threadIdx.x;
   const Raw* p = static_cast<const Raw*>(P.x) + row * P.ld;
   int L = P.N;
@@ -877,8 +1136,18 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 1) topk_kernel(const Param
     uint32_t* rraw = G > 1 ? cl.map_shared_rank(craw, 0) : craw;
     uint32_t* ridx = G > 1 ? cl.map_shared_rank(cidx, 0) : cidx;
     C_ cx{sh, rsh, craw, cidx, rraw, ridx, part(rank, G), G, static_cast<uint32_t>(P.C),
-          static_cast<uint32_t>(kk), 0u, 0.f, true, false, false, 0, 0u, 0u};
-    cx.stream(true, 0u, L);
+          static_cast<uint32_t>(kk), 0u, 0.f, true, 0, 0u, 0u};
+    // Per-warp segments (no atomic per append) pay off on long rows; elsewhere one
+    // contiguous buffer (a warp-aggregated atomic per append) keeps select and output dense.
+    // (the 512-thread register kernel runs clusters only: no segments)
+    const uint32_t nseg = (Ring || NT != kBig) && G == 1 && L >= kSegMinLen ? static_cast<uint32_t>(NT / 32) : 0u;
+    cx.S = nseg ? static_cast<uint32_t>(P.C) / 2u / nseg : 0u;     // half the buffer; the rest: the pool
+    cx.seg = static_cast<uint32_t>(rank) * (NT / 32) + (tid >> 5);
+    cx.pool0 = nseg * cx.S;
+    cx.ring = ring;
+    cx.z = P.z;
+    cx.g0 = rounds;
+    cx.template stream<false>(true, 0u, L);
     TOPK_PROBE(1, clock64());
     if (G > 1) {
       cluster_sync();  // every append landed in rank 0's buffer
@@ -891,7 +1160,8 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 1) topk_kernel(const Param
     TOPK_PROBE(4, 1);
     Sel s{0u, 0u, 0, false};
     const bool overflow = sh.fail != 0;
-    if (!overflow) s = cx.select(sh.cnt, cx.thr, sh.mx, static_cast<uint32_t>(kk));
+    Layout lay{cx.S, nseg, cx.pool0, min(sh.cnt, cx.cap - cx.pool0)};
+    if (!overflow) s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk));
     TOPK_PROBE(3, clock64());
     if (!s.ok) {
       // Rare: the cluster's buffer overflowed (keep thr: more than C keys are above it) or
@@ -899,20 +1169,28 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 1) topk_kernel(const Param
       // compaction on overflow; that select cannot fail.
       TOPK_PROBE(4, 2);
       const uint32_t t = overflow ? cx.thr : 0u;
-      cx.cnt = 0;
-      cx.mx = 0;
-      cx.robust = true;
-      cx.c = part(0, 1);
-      cx.G = 1;
-      cx.rsh = &sh;
-      cx.rraw = craw;
-      cx.ridx = cidx;
-      cx.dead = false;
-      cx.stream(false, t, L);
-      __syncthreads();
-      s = cx.select(sh.cnt, cx.thr, sh.mx, static_cast<uint32_t>(kk));
+      if constexpr (NT == kBig) {  // out of line (measured: faster with 512 threads, slower with 256)
+        const Refiltered rf = refilter<FMT, NT, U, Ring>(sh, craw, cidx, part(0, 1), cx.cap, cx.kk, t, cx.ph, ring, cx.g0, L);
+        s = rf.s;
+        cx.ph = rf.ph;
+        cx.g0 = rf.g0;
+        lay = Layout{0u, 0u, 0u, rf.n};
+      } else {
+        cx.cnt = 0;
+        cx.mx = 0;
+        cx.c = part(0, 1);
+        cx.G = 1;
+        cx.rsh = &sh;
+        cx.rraw = craw;
+        cx.ridx = cidx;
+        cx.template stream<true>(false, t, L);
+        __syncthreads();
+        lay = Layout{0u, 0u, 0u, sh.cnt};
+        s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk));
+      }
     }
-    cx.emit_pass(make_out(), sh.cnt, s, static_cast<uint32_t>(kk) - s.krem);
+    rounds = cx.g0;
+    cx.emit_pass(make_out(), lay, s, static_cast<uint32_t>(kk) - s.krem);
     TOPK_PROBE(6, clock64());
   }
 
@@ -940,16 +1218,58 @@ __global__ void __launch_bounds__(NT, NT == 256 ? 4 : 1) topk_kernel(const Param
   }
 }
 
-constexpr int kU = 4;  // 16-byte loads per thread and set (two sets in flight)
+// G > 1: one cluster of G CTAs per row (grid B * G). G = 1: min(B, #SMs) CTAs, each taking
+// rows blockIdx.x, + gridDim.x, ... (persistent).
+template <int FMT, int NT, int U, bool Ring>
+__global__ void __launch_bounds__(NT, NT == kBig ? 1 : 4) topk_kernel(const Params P) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  Shared& sh = *reinterpret_cast<Shared*>(smem);
+  if (Ring && threadIdx.x == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
+                       static_cast<uint32_t>(__cvta_generic_to_shared(&sh.full[st]))));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(
+                       static_cast<uint32_t>(__cvta_generic_to_shared(&sh.empty[st]))),
+                   "r"(NT / 32));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  uint32_t rounds = 0;  // ring rounds streamed so far (stage and barrier phase)
+  if (P.G > 1) {
+    const int lg_g = __ffs(P.G) - 1;
+    topk_row<FMT, NT, U, Ring>(P, blockIdx.x >> lg_g, static_cast<int>(blockIdx.x & (P.G - 1)), rounds);
+    return;
+  }
+  for (int64_t row = blockIdx.x; row < P.B; row += gridDim.x) {
+#ifdef DEEPFUSE_TOPK_TWICE  // probe experiment: phase clocks of a second, warm pass
+    topk_row<FMT, NT, U, Ring>(P, row, 0, rounds);
+    __syncthreads();
+#endif
+    topk_row<FMT, NT, U, Ring>(P, row, 0, rounds);
+    // The next row reuses shared memory; the ring (the sorted pairs' space) is then written
+    // by bulk copies: order this row's generic accesses before them.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+  }
+}
+
+constexpr int kU256 = 3;  // 256-thread CTAs (B > #SMs): vectors per thread and round, registers
+constexpr int kU512 = 4;  // 512-thread CTAs of a cluster (G > 1): the same, registers
 
 template <int FMT>
-void set_attrs(int dev) {
-  (void)dev;
-  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, 256, kU>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024),
+void set_attrs() {
+  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, kBig, kU, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  227 * 1024),
              "topk: cudaFuncSetAttribute");
-  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, kBig, kU>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024),
+  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, kBig, kU512, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  227 * 1024),
              "topk: cudaFuncSetAttribute");
-  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, kBig, kU>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, kBig, kU512, false>, cudaFuncAttributeNonPortableClusterSizeAllowed,
+                                  1),
+             "topk: cudaFuncSetAttribute");
+  check_cuda(cudaFuncSetAttribute(topk_kernel<FMT, 256, kU256, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  227 * 1024),
              "topk: cudaFuncSetAttribute");
 }
 
@@ -961,18 +1281,20 @@ void set_smem_attributes() {
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev < 64 && done[dev]) return;
-  set_attrs<0>(dev);
-  set_attrs<1>(dev);
-  set_attrs<2>(dev);
+  set_attrs<0>();
+  set_attrs<1>();
+  set_attrs<2>();
   if (dev < 64) done[dev] = true;
 }
 
-template <int FMT, int NT>
-void launch(const Params& P, int64_t B, int smem, cudaStream_t stream) {
-  auto kern = topk_kernel<FMT, NT, kU>;
+template <int FMT>
+void launch(const Params& P, int threads, int smem, cudaStream_t stream) {
+  const bool big = threads == kBig;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(B * P.G), 1, 1);
-  cfg.blockDim = dim3(NT, 1, 1);
+  // 512 threads: a cluster per row (G > 1) or min(B, #SMs) persistent CTAs; 256: a CTA per row.
+  const int64_t grid = P.G > 1 ? P.B * P.G : (big ? std::min<int64_t>(P.B, num_sms()) : P.B);
+  cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -982,14 +1304,31 @@ void launch(const Params& P, int64_t B, int smem, cudaStream_t stream) {
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = P.G > 1 ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&cfg, kern, P), "topk: launch");
+  if (big) {
+    if (P.G > 1) {
+      check_cuda(cudaLaunchKernelEx(&cfg, topk_kernel<FMT, kBig, kU512, false>, P), "topk: launch");
+    } else {
+      check_cuda(cudaLaunchKernelEx(&cfg, topk_kernel<FMT, kBig, kU, true>, P), "topk: launch");
+    }
+  } else {
+    check_cuda(cudaLaunchKernelEx(&cfg, topk_kernel<FMT, 256, kU256, false>, P), "topk: launch");
+  }
   check_launch("topk");
 }
 
-// Candidate buffer entries: >= 2K + 1024 (room to append between compactions). Big CTAs
-// (one per SM) take a large buffer so that a sampled threshold practically never overflows
-// it; 256-thread CTAs stay small enough for four per SM up to k = 512 (three above).
-int buffer_entries(int k, int nt) { return nt == kBig ? 16384 : (k <= 512 ? 4096 : 2 * k + 3072); }
+// Candidate buffer entries. 512 threads (one CTA per SM): large, so that a sampled threshold
+// practically never overflows it. 256 threads (B > #SMs): as large as the CTAs one wave
+// needs per SM (ceil(B / #SMs), at most 4) allow, at least 2K + 2048 (the robust path
+// appends one vector per thread after a compaction to K; that minimum may cost residency).
+int buffer_entries(int64_t B, int k, int nt, bool sorted) {
+  if (nt == kBig) return kBuffer;
+  const int64_t sms = num_sms();
+  const int64_t per_sm = std::min<int64_t>(4, std::max<int64_t>(1, (B + sms - 1) / sms));
+  const int64_t budget =
+      228 * 1024 / per_sm - 1024 - static_cast<int64_t>(sizeof(Shared)) - (sorted ? kTopkMaxK * 8 : 0);
+  const int fit = static_cast<int>(std::min<int64_t>(16384, budget / 8)) & ~255;
+  return std::max(fit, k <= 512 ? 4096 : 2 * k + 3072);
+}
 
 }  // namespace
 
@@ -999,10 +1338,9 @@ TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted) {
   int g = 1;  // a cluster per row while B * G fits one CTA per SM and parts stay long
   while (g < kMaxCluster && B * 2 * g <= sms && N / (2 * g) >= kMinPart) g *= 2;
   const int nt = B <= sms ? kBig : 256;
-  const int C = buffer_entries(k, nt);
-  const int64_t smem = static_cast<int64_t>(sizeof(Shared)) +
-                       (sorted ? kTopkMaxK * static_cast<int64_t>(sizeof(unsigned long long)) : 0) +
-                       8 * static_cast<int64_t>(C);
+  const int64_t mid = nt == kBig && g == 1 ? kRingBytes : (sorted ? kTopkMaxK * 8 : 0);
+  const int64_t smem =
+      static_cast<int64_t>(sizeof(Shared)) + mid + 8 * static_cast<int64_t>(buffer_entries(B, k, nt, sorted));
   return TopkPlan{g, nt, static_cast<int>(smem)};
 }
 
@@ -1017,30 +1355,27 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
   Params P;
   P.x = x;
   P.ld = ld;
+  P.B = B;
   P.lengths = lengths;
   P.values = values;
   P.indices = indices;
   P.N = static_cast<int>(N);
   P.k = k;
   P.G = plan.ctas_per_row;
-  P.C = buffer_entries(k, plan.threads);
+  P.C = buffer_entries(B, k, plan.threads, sorted);
   if (P.C - k < plan.threads * 8) throw std::runtime_error("deepfuse: topk: buffer too small for the plan");
   P.idx64 = idx64;
   P.sorted = sorted;
+  // A row re-streams (about 2x its time) when its sample puts thr above its K-th key: a
+  // normal tail of z sigma. z grows with B so that a call meets it with <= ~3% chance
+  // (tails 1.3e-3, 2.3e-4, 3.2e-5, 3.4e-6); a larger z costs candidates on every row.
+  P.z = B <= 16 ? 3.f : (B <= 128 ? 3.5f : (B <= 1024 ? 4.f : 4.5f));
   set_smem_attributes();
-  const bool wide = plan.threads == kBig;
   switch (dtype) {
-    case TopkDtype::kBf16:
-      wide ? launch<0, kBig>(P, B, plan.smem_bytes, stream) : launch<0, 256>(P, B, plan.smem_bytes, stream);
-      break;
-    case TopkDtype::kF16:
-      wide ? launch<1, kBig>(P, B, plan.smem_bytes, stream) : launch<1, 256>(P, B, plan.smem_bytes, stream);
-      break;
-    case TopkDtype::kF32:
-      wide ? launch<2, kBig>(P, B, plan.smem_bytes, stream) : launch<2, 256>(P, B, plan.smem_bytes, stream);
-      break;
-    default:
-      throw std::runtime_error("deepfuse: topk: bad dtype code");
+    case TopkDtype::kBf16: launch<0>(P, plan.threads, plan.smem_bytes, stream); break;
+    case TopkDtype::kF16: launch<1>(P, plan.threads, plan.smem_bytes, stream); break;
+    case TopkDtype::kF32: launch<2>(P, plan.threads, plan.smem_bytes, stream); break;
+    default: throw std::runtime_error("deepfuse: topk: bad dtype code");
   }
 }
 
