@@ -302,57 +302,27 @@ struct Part {
 
 // Finds bucket b with S(b+1) < krem <= S(b), S(b) = sum of H over bins >= b, if S(0) >= krem,
 // into sh.res_bin / res_above (= S(b+1)) / res_cnt (= H[b]); S(0) into sh.res_total.
-// NB = 2048: the bins are 16 rows of 128 (four per lane). Each row's warp suffix-scans its
-// bins and publishes the row total; after one barrier every warp sums the totals of the
-// rows above its own (one reduction), and the lane holding the bucket writes it: the scans
-// run in parallel, not after each other on one warp. NB <= 32: warp 0 scans the bins.
-// Block-collective (H complete on entry); ends with a barrier after which the bins are
-// cleared (the next use of H is always a barrier later).
+// NB = 2048: the warps sum the 16 rows of 128 bins (four per lane, one warp reduction per
+// row); warp 0 scans the row totals, then the bins of the row found. NB <= 32: warp 0 scans
+// the bins directly. Block-collective (H complete on entry); ends with a barrier after
+// which the bins are cleared (the next use of H is always a barrier later).
 template <int NT, int NB = kBins>
-__device__ __noinline__ void find_bucket(Shared& sh, uint32_t* H, uint32_t krem) {
+__device__ __forceinline__ void find_bucket(Shared& sh, uint32_t* H, uint32_t krem) {
   static_assert(NB == 2048 || NB <= 32, "bins");
   constexpr int NW = NT / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4* h4 = reinterpret_cast<uint4*>(H);
   if constexpr (NB == 2048) {
-    constexpr int RPW = (16 + NW - 1) / NW;  // rows per warp
-    uint4 v[RPW];
-    uint32_t inc[RPW];  // this lane's four bins plus the lanes above it, within the row
 #pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-      const int q = warp + i * NW;
-      v[i] = q < 16 ? h4[q * 32 + lane] : make_uint4(0u, 0u, 0u, 0u);
-      inc[i] = v[i].x + v[i].y + v[i].z + v[i].w;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const uint32_t o = __shfl_down_sync(kFull, inc[i], off);
-        if (lane + off < 32) inc[i] += o;
-      }
-      if (q < 16 && lane == 0) sh.rowt[q] = inc[i];
+    for (int q = warp; q < 16; q += NW) {
+      const uint4 v = h4[q * 32 + lane];
+      const uint32_t t = __reduce_add_sync(kFull, v.x + v.y + v.z + v.w);
+      if (lane == 0) sh.rowt[q] = t;
     }
     __syncthreads();
-    const uint32_t rt = lane < 16 ? sh.rowt[lane] : 0u;
-    const uint32_t total = __reduce_add_sync(kFull, rt);
-    if (warp == 0 && lane == 0) sh.res_total = total;
-#pragma unroll
-    for (int i = 0; i < RPW; ++i) {
-      const int q = warp + i * NW;
-      if (q >= 16) break;  // warp-uniform
-      const uint32_t above_row = __reduce_add_sync(kFull, lane > q ? rt : 0u);
-      uint32_t run = above_row + inc[i] - (v[i].x + v[i].y + v[i].z + v[i].w);  // bins above mine
-      const uint32_t cc[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-#pragma unroll
-      for (int j = 3; j >= 0; --j) {
-        if (run < krem && run + cc[j] >= krem) {  // exactly one (row, lane, j) when S(0) >= krem
-          sh.res_bin = q * 128 + lane * 4 + j;
-          sh.res_above = run;
-          sh.res_cnt = cc[j];
-        }
-        run += cc[j];
-      }
-    }
-  } else if (warp == 0) {
-    const uint32_t c = lane < NB ? H[lane] : 0u;
+  }
+  if (warp == 0) {
+    uint32_t c = NB == 2048 ? (lane < 16 ? sh.rowt[lane] : 0u) : (lane < NB ? H[lane] : 0u);
     uint32_t suf = c;  // inclusive suffix sum over the lanes >= this one
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -361,10 +331,35 @@ __device__ __noinline__ void find_bucket(Shared& sh, uint32_t* H, uint32_t krem)
     }
     const uint32_t above = suf - c;
     if (lane == 0) sh.res_total = suf;
-    if (above < krem && above + c >= krem) {
-      sh.res_bin = lane;
-      sh.res_above = above;
-      sh.res_cnt = c;
+    const uint32_t who = __ballot_sync(kFull, above < krem && above + c >= krem);
+    if (who) {
+      const int row = __ffs(who) - 1;
+      if constexpr (NB == 2048) {
+        const uint32_t a0 = __shfl_sync(kFull, above, row);
+        const uint4 v = h4[row * 32 + lane];
+        const uint32_t t4 = v.x + v.y + v.z + v.w;
+        uint32_t s4 = t4;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const uint32_t o = __shfl_down_sync(kFull, s4, off);
+          if (lane + off < 32) s4 += o;
+        }
+        uint32_t run = a0 + s4 - t4;  // bins of the row above this lane's four
+        const uint32_t cc[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 3; j >= 0; --j) {
+          if (run < krem && run + cc[j] >= krem) {
+            sh.res_bin = row * 128 + lane * 4 + j;
+            sh.res_above = run;
+            sh.res_cnt = cc[j];
+          }
+          run += cc[j];
+        }
+      } else if (lane == row) {
+        sh.res_bin = row;
+        sh.res_above = above;
+        sh.res_cnt = c;
+      }
     }
   }
   __syncthreads();
