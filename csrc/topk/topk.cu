@@ -104,6 +104,19 @@ __device__ __forceinline__ uint32_t pack_halves(uint32_t m0, uint32_t m1, uint32
   return ((lo * 0x01010101u) >> 24) | (((hi * 0x01010101u) >> 24) << 4);
 }
 
+// 8-bit mask of the elements of v not below t2 (bf16x2 or half2 pairs; NaN counts as not
+// below): one packed compare per word.
+template <class H2>
+__device__ __forceinline__ uint32_t ge_mask_pairs(const uint4& v, H2 t2) {
+  auto as2 = [](uint32_t w) {
+    H2 h;
+    memcpy(&h, &w, 4);
+    return h;
+  };
+  return pack_halves(__hgeu2_mask(as2(v.x), t2), __hgeu2_mask(as2(v.y), t2), __hgeu2_mask(as2(v.z), t2),
+                     __hgeu2_mask(as2(v.w), t2));
+}
+
 template <int FMT>
 struct Fmt;
 template <>
@@ -119,14 +132,7 @@ struct Fmt<0> {  // bf16
   __device__ __forceinline__ static float to_float(uint32_t r) { return __uint_as_float(r << 16); }
   // Bit i: element i of v is not below t (NaN included; t a bf16 value).
   __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
-    const __nv_bfloat162 t2 = __float2bfloat162_rn(t);
-    return pack_halves(__hgeu2_mask(as2(v.x), t2), __hgeu2_mask(as2(v.y), t2), __hgeu2_mask(as2(v.z), t2),
-                       __hgeu2_mask(as2(v.w), t2));
-  }
-  __device__ __forceinline__ static __nv_bfloat162 as2(uint32_t w) {
-    __nv_bfloat162 h;
-    memcpy(&h, &w, 4);
-    return h;
+    return ge_mask_pairs(v, __float2bfloat162_rn(t));
   }
 };
 template <>
@@ -143,14 +149,7 @@ struct Fmt<1> {  // fp16
     return __half2float(__ushort_as_half(static_cast<unsigned short>(r)));
   }
   __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
-    const __half2 t2 = __float2half2_rn(t);
-    return pack_halves(__hgeu2_mask(as2(v.x), t2), __hgeu2_mask(as2(v.y), t2), __hgeu2_mask(as2(v.z), t2),
-                       __hgeu2_mask(as2(v.w), t2));
-  }
-  __device__ __forceinline__ static __half2 as2(uint32_t w) {
-    __half2 h;
-    memcpy(&h, &w, 4);
-    return h;
+    return ge_mask_pairs(v, __float2half2_rn(t));
   }
 };
 template <>
@@ -265,6 +264,14 @@ __device__ __forceinline__ uint32_t elem_dyn(const uint4& v, int i) {
   } else {
     return (i & 2) ? ((i & 1) ? v.w : v.z) : ((i & 1) ? v.y : v.x);
   }
+}
+
+// Elements of a row before its first 16-byte boundary (at most L).
+template <class Raw>
+__device__ __forceinline__ int row_head(const Raw* p, int L) {
+  return min(static_cast<int>(((16u - (static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)) & 15u)) & 15u) /
+                              sizeof(Raw)),
+             L);
 }
 
 // This CTA's part of a row. Slot s covers elements [seg0 + s*VEC, seg0 + (s+1)*VEC) (16-byte
@@ -844,8 +851,7 @@ struct Ctx {
   __device__ __forceinline__ uint4 sample_load(int ns, int L) const {
     constexpr int TPV = VEC / P;
     const int tid = threadIdx.x;
-    const int head = min(static_cast<int>(((16u - (static_cast<uint32_t>(reinterpret_cast<uintptr_t>(c.p)) & 15u)) &
-                                           15u) / sizeof(Raw)), L);
+    const int head = row_head(c.p, L);
     const int V = (L - head) / VEC;  // whole vectors of the row (>= ns / VEC: L > 2048)
     const int nv = ns / VEC;
     if (tid * P >= ns) return make_uint4(0u, 0u, 0u, 0u);
@@ -1096,8 +1102,7 @@ __device__ __forceinline__ void topk_row(const Params& P, int64_t row, int rank,
 
   // Part r of [0, L): whole 16-byte vectors [v0, v1) after the unaligned head [0, head);
   // rank 0 also takes the head, the last rank the tail [head + V * VEC, L).
-  const int head = min(static_cast<int>(((16u - (static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)) & 15u)) &
-                                         15u) / sizeof(Raw)), L);
+  const int head = row_head(p, L);
   const int V = (L - head) / VEC;
   auto part = [&](int r, int g) {
     const int vpc = (V + g - 1) / g;
