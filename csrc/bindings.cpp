@@ -77,9 +77,9 @@ PYBIND11_MODULE(_C, m) {
       "topk_plan",
       [](int dtype, int64_t B, int64_t N, int k, bool sorted) {
         const auto p = deepfuse::topk_plan(static_cast<deepfuse::TopkDtype>(dtype), B, N, k, sorted);
-        return py::make_tuple(p.ctas_per_row, p.threads, p.smem_bytes);
+        return py::make_tuple(p.ctas_per_row, p.threads, p.smem_bytes, p.kernel);
       },
-      "topk launch plan: (CTAs per row, threads per CTA, smem bytes per CTA)");
+      "topk launch plan: (CTAs per row, threads per CTA, smem bytes per CTA, kernel: 0 general, 1 short rows)");
 
   // ---- kvcache (formats: deepfuse/engine/kv_format.py)
   m.def(

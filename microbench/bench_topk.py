@@ -64,13 +64,13 @@ def main(argv=None):
         tbs = H.time_fn(lambda: torch.topk(x, k, dim=1, sorted=True), reps=10)
         nbytes = B * N * x.element_size()
         bw = nbytes / t.s
-        g, nt, smem = T.launch_plan(dtype, B, N, k)
+        g, nt, smem, kern = T.launch_plan(dtype, B, N, k)
         speed = tb.median_us / t.median_us
         frac = bw / copy_bps
         ok = None if target is None else speed >= target
         bw_aim = None if B < 64 else frac >= 0.5
         rows.append(dict(suite=suite, dtype=str(dtype).removeprefix("torch."), B=B, N=N, k=k,
-                         plan=f"G{g}x{nt}", us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us,
+                         plan=f"{'R' if kern else 'G'}{g}x{nt}", us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us,
                          idx_us=ti.median_us, sorted_us=ts.median_us, graph_us=tg.median_us if tg else None,
                          GBps=bw / 1e9, frac_copy=frac, torch_us=tb.median_us, speedup=speed,
                          torch_sorted_us=tbs.median_us, speedup_sorted=tbs.median_us / ts.median_us,

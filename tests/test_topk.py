@@ -151,8 +151,8 @@ def check(x, k, lengths, sorted_, values, indices, tag: str) -> None:
 
 def plan_of(dtype, B, N, k, sorted_=False) -> str:
     try:
-        g, nt, smem = T.launch_plan(dtype, B, N, k, sorted_)
-        return f"plan(G={g}, {nt} threads, {smem // 1024} KB)"
+        g, nt, smem, kern = T.launch_plan(dtype, B, N, k, sorted_)
+        return f"plan({'short-row' if kern else 'general'}, G={g}, {nt} threads, {smem // 1024} KB)"
     except Exception as e:  # CPU-only runs
         return f"plan(?: {e})"
 
@@ -396,6 +396,33 @@ def test_gpu_threshold_at_signed_zero(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_gpu_short_row_kernel(dtype):
+    # the short-row kernel (aligned rows of <= 2048 16-byte vectors): every input kind,
+    # lengths, sorted, int64 / no values, thresholds at signed zeros, one-vector rows; the
+    # same rows through a misaligned view take the general kernel
+    nmax = 16384 if dtype != torch.float32 else 8192
+    cases = [(1, nmax, 512), (5, nmax, 4096), (64, 8192, 2048), (300, 4096, 1024), (2, 1000, 999), (9, 8, 3),
+             (600, 2048, 50), (3, nmax // 2, 1)]
+    for j, (B, N, k) in enumerate(cases):
+        assert T.launch_plan(dtype, B, N, k)[3] == 1, (B, N, k)
+        for kind in KINDS:
+            run_case(dtype, B, N, k, kind=kind, use_lengths=j % 2 == 0, sorted_=kind == "ties" or j == 3,
+                     seed=j)
+        run_case(dtype, B, N, k, index_dtype=torch.int64, return_values=False, use_lengths=True, seed=j)
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    x = torch.randn(4, nmax, generator=gen, device="cuda").abs() + 0.5
+    u = torch.rand(4, nmax, generator=gen, device="cuda")
+    x = torch.where(u < 0.9, torch.zeros_like(x), x)
+    x = torch.where(u < 0.45, -torch.zeros_like(x), x).to(dtype)
+    for j, kk in enumerate((nmax // 10, nmax // 20, 4096)):
+        run_case(dtype, 4, nmax, kk, x=x, sorted_=j == 2, use_lengths=j == 1, seed=j)
+    base = make_input("randn", 1, 3 * 8192 + 8, dtype, "cuda", gen).view(-1)
+    run_case(dtype, 3, 8192, 700, x=base[1:1 + 3 * 8192].view(3, 8192), seed=4)  # general kernel
+    run_case(dtype, 3, 8192, 700, x=base[8:8 + 3 * 8192].view(3, 8192), seed=4)  # 16-byte aligned
+
+
+@pytest.mark.gpu
 def test_gpu_plans_cover_every_cluster_size():
     seen = set()
     for B, N in [(512, 8192), (1, 8192), (64, 32768), (32, 131072), (128, 131072), (1, 131072), (512, 131072),
@@ -403,8 +430,9 @@ def test_gpu_plans_cover_every_cluster_size():
         for dt in DTYPES:
             for k in (1, 2048, 4096):
                 for srt in (False, True):
-                    g, nt, smem = T.launch_plan(dt, B, N, k, srt)
-                    assert g in (1, 2, 4, 8) and nt in (256, 512) and smem <= 227 * 1024
+                    g, nt, smem, kern = T.launch_plan(dt, B, N, k, srt)
+                    assert g in (1, 2, 4, 8) and nt in (256, 512) and smem <= 227 * 1024 and kern in (0, 1)
+                    assert kern == (N <= (16384 if dt != torch.float32 else 8192)), (dt, B, N, kern)
                     seen.add(g)
     assert {1, 2, 4, 8} <= seen, seen
 
@@ -544,7 +572,7 @@ def test_gpu_validation():
 
 # small cases for compute-sanitizer (memcheck, racecheck, synccheck): cluster-split rows
 # (DSMEM appends), 256- and 512-thread CTAs, the fallback (overflow, compaction), sorted
-# through rank 0's buffer, select-all, streamed
+# through rank 0's buffer, select-all, streamed; the short-row kernel
 @pytest.mark.gpu
 @pytest.mark.sanitize
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -556,6 +584,10 @@ def test_sanitize_small(dtype):
     run_case(dtype, 1, 30000, 700, kind="allsame", seed=8)  # one CTA: fallback compactions
     run_case(dtype, 2, 9000, 100, kind="special", sorted_=True, seed=3)
     run_case(dtype, 2, 9000, 4096, kind="randn", use_lengths=True, sorted_=True, seed=4)  # select-all
+    # the short-row kernel: levels, sorted pairs, select-all, ragged lengths
+    run_case(dtype, 5, 8192, 512, kind="ties", use_lengths=True, sorted_=True, seed=9)
+    run_case(dtype, 3, 8192, 4096, kind="special", use_lengths=True, seed=10)
+    run_case(dtype, 4, 1000, 100, kind="randn", return_values=False, index_dtype=torch.int64, seed=11)
 
 
 @pytest.mark.gpu

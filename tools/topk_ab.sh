@@ -17,7 +17,7 @@ case "${1:-}" in
     src=${SRC:-.}
     mkdir -p ab
     nvcc -O3 -std=c++17 -arch=sm_90a -DDEEPFUSE_TOPK_PROBE "$@" -I"$src/csrc" "$src/tools/topk_probe.cu" \
-      "$src/csrc/topk/topk.cu" "$src/csrc/common/cuda_utils.cu" -o "ab/probe_$name"
+      "$src/csrc/topk/topk.cu" "$src/csrc/topk/topk_rows.cu" "$src/csrc/common/cuda_utils.cu" -o "ab/probe_$name"
     echo "built ab/probe_$name" ;;
   run)
     shift

@@ -1,7 +1,7 @@
 // Standalone timing/phase probe for csrc/topk (no Python): per-shape graph-replayed and
 // eager kernel time, plus per-CTA phase clocks recorded by the kernel's TOPK_PROBE points.
 //   nvcc -O3 -std=c++17 -arch=sm_90a -DDEEPFUSE_TOPK_PROBE -Icsrc tools/topk_probe.cu \
-//        csrc/topk/topk.cu csrc/common/cuda_utils.cu -o topk_probe && ./topk_probe
+//        csrc/topk/topk.cu csrc/topk/topk_rows.cu csrc/common/cuda_utils.cu -o topk_probe && ./topk_probe
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -15,6 +15,7 @@
 
 namespace deepfuse {
 void topk_probe_read(unsigned long long* host, int ctas);
+void topk_rows_probe_read(unsigned long long* host, int ctas);
 }
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); exit(1); } } while (0)
@@ -146,6 +147,19 @@ int main(int argc, char** argv) {
     CK(cudaEventSynchronize(e1));
     float gms;
     CK(cudaEventElapsedTime(&gms, e0, e1));
+    if (plan.kernel == 1) {  // short-row kernel: CTA 0's phases (topk_rows.cu's ROWS_PROBE points)
+      std::vector<unsigned long long> rp(8 * std::min(s.B, 4096));
+      deepfuse::topk_rows_probe_read(rp.data(), std::min(s.B, 4096));
+      auto d = [&](int a, int b) { return (long long)(rp[b] - rp[a]); };
+      printf("%-4s %5d %7d %5d R%dx%-3d %9.2f %9.2f | rows: load %5lld level1 %5lld find1 %5lld masks %5lld levels %5lld scan %5lld emit %5lld\n",
+             s.fmt == 0 ? "bf16" : "fp32", s.B, s.N, s.k, plan.ctas_per_row, plan.threads, gms * 1000.f / 100.f,
+             ev[ev.size() / 2], d(0, 1), d(1, 2), d(2, 3), d(3, 7), d(7, 4), d(4, 5), d(5, 6));
+      CK(cudaGraphExecDestroy(ge));
+      CK(cudaGraphDestroy(g));
+      CK(cudaFree(x));
+      CK(cudaFree(idx));
+      continue;
+    }
     deepfuse::topk_probe_read(pr.data(), ctas);  // the last replayed launch (warm)
     double nsum = 0;
     unsigned long long att = 0, comp = 0;

@@ -61,6 +61,7 @@
 
 #include "common/cuda_utils.h"
 #include "topk/topk.h"
+#include "topk/topk_common.cuh"
 
 namespace deepfuse {
 namespace {
@@ -81,7 +82,6 @@ constexpr int kSegMinLen = 65536;  // rows at least this long use per-warp segme
 static_assert(kRingBytes >= kTopkMaxK * 8, "the sorted pair buffer aliases the ring");
 // The robust path: after a compaction to K entries one round of one vector per thread fits.
 static_assert(kBuffer - kTopkMaxK >= kBig * 8, "candidate buffer");
-constexpr unsigned kFull = 0xffffffffu;
 
 // Build with -DDEEPFUSE_TOPK_PROBE (tools/topk_probe.cu) to record per-CTA phase clocks.
 #ifdef DEEPFUSE_TOPK_PROBE
@@ -94,82 +94,6 @@ __device__ unsigned long long g_topk_probe[4096][32];
 #define TOPK_PROBE(i, v) do {} while (0)
 #define TOPK_PROBE_ADD(i) do {} while (0)
 #endif
-
-// 8-bit mask from four words of two 16-bit lane masks (0xFFFF or 0 each): bit 2w + h is
-// half h of word w. One byte of each half (byte_perm), then one bit per byte (a multiply
-// sums the bytes' distinct bits into the top byte).
-__device__ __forceinline__ uint32_t pack_halves(uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
-  const uint32_t lo = __byte_perm(m0, m1, 0x6420) & 0x08040201u;
-  const uint32_t hi = __byte_perm(m2, m3, 0x6420) & 0x08040201u;
-  return ((lo * 0x01010101u) >> 24) | (((hi * 0x01010101u) >> 24) << 4);
-}
-
-// 8-bit mask of the elements of v not below t2 (bf16x2 or half2 pairs; NaN counts as not
-// below): one packed compare per word.
-template <class H2>
-__device__ __forceinline__ uint32_t ge_mask_pairs(const uint4& v, H2 t2) {
-  auto as2 = [](uint32_t w) {
-    H2 h;
-    memcpy(&h, &w, 4);
-    return h;
-  };
-  return pack_halves(__hgeu2_mask(as2(v.x), t2), __hgeu2_mask(as2(v.y), t2), __hgeu2_mask(as2(v.z), t2),
-                     __hgeu2_mask(as2(v.w), t2));
-}
-
-template <int FMT>
-struct Fmt;
-template <>
-struct Fmt<0> {  // bf16
-  using Raw = uint16_t;
-  static constexpr int kBits = 16;
-  static constexpr uint32_t kNegInf = 0xFF80u;
-  static constexpr uint32_t kKeyNegInf = 0x007Fu, kKeyPosInf = 0xFF80u;
-  __device__ __forceinline__ static uint32_t key(uint32_t r) {
-    const uint32_t k = r ^ ((r & 0x8000u) ? 0xFFFFu : 0x8000u);
-    return (r & 0x7FFFu) > 0x7F80u ? 0xFFFFu : k;
-  }
-  __device__ __forceinline__ static float to_float(uint32_t r) { return __uint_as_float(r << 16); }
-  // Bit i: element i of v is not below t (NaN included; t a bf16 value).
-  __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
-    return ge_mask_pairs(v, __float2bfloat162_rn(t));
-  }
-};
-template <>
-struct Fmt<1> {  // fp16
-  using Raw = uint16_t;
-  static constexpr int kBits = 16;
-  static constexpr uint32_t kNegInf = 0xFC00u;
-  static constexpr uint32_t kKeyNegInf = 0x03FFu, kKeyPosInf = 0xFC00u;
-  __device__ __forceinline__ static uint32_t key(uint32_t r) {
-    const uint32_t k = r ^ ((r & 0x8000u) ? 0xFFFFu : 0x8000u);
-    return (r & 0x7FFFu) > 0x7C00u ? 0xFFFFu : k;
-  }
-  __device__ __forceinline__ static float to_float(uint32_t r) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(r)));
-  }
-  __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
-    return ge_mask_pairs(v, __float2half2_rn(t));
-  }
-};
-template <>
-struct Fmt<2> {  // fp32
-  using Raw = uint32_t;
-  static constexpr int kBits = 32;
-  static constexpr uint32_t kNegInf = 0xFF800000u;
-  static constexpr uint32_t kKeyNegInf = 0x007FFFFFu, kKeyPosInf = 0xFF800000u;
-  __device__ __forceinline__ static uint32_t key(uint32_t r) {
-    const uint32_t k = r ^ ((r & 0x80000000u) ? 0xFFFFFFFFu : 0x80000000u);
-    return (r & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFFFFFFu : k;
-  }
-  __device__ __forceinline__ static float to_float(uint32_t r) { return __uint_as_float(r); }
-  __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
-    return static_cast<uint32_t>(!(__uint_as_float(v.x) < t)) |
-           static_cast<uint32_t>(!(__uint_as_float(v.y) < t)) << 1 |
-           static_cast<uint32_t>(!(__uint_as_float(v.z) < t)) << 2 |
-           static_cast<uint32_t>(!(__uint_as_float(v.w) < t)) << 3;
-  }
-};
 
 // The value t of key thr + 1, clamped to [-inf, +inf]: key(x) > thr implies !(x < t) (NaN
 // included). For thr < key(+inf) the converse holds too, except for x = -0.0 when
@@ -235,36 +159,6 @@ __device__ __forceinline__ void cluster_sync() {
   cluster_wait();
 }
 
-// 16 bytes read once: no L1 allocation.
-__device__ __forceinline__ uint4 ld_stream(const void* a) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(a));
-  return v;
-}
-
-// Element i of a 16-byte vector of raw values (i a compile-time constant after unrolling).
-template <int VEC>
-__device__ __forceinline__ uint32_t elem(const uint4& v, int i) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  if constexpr (VEC == 8) {
-    return (w[i >> 1] >> ((i & 1) * 16)) & 0xFFFFu;
-  } else {
-    return w[i];
-  }
-}
-
-// Element i of a 16-byte vector, i known only at run time (selects, no local memory).
-template <int VEC>
-__device__ __forceinline__ uint32_t elem_dyn(const uint4& v, int i) {
-  if constexpr (VEC == 8) {
-    const uint32_t w = (i & 4) ? ((i & 2) ? v.w : v.z) : ((i & 2) ? v.y : v.x);
-    return (i & 1) ? (w >> 16) : (w & 0xFFFFu);
-  } else {
-    return (i & 2) ? ((i & 1) ? v.w : v.z) : ((i & 1) ? v.y : v.x);
-  }
-}
 
 // Elements of a row before its first 16-byte boundary (at most L).
 template <class Raw>
@@ -374,56 +268,6 @@ __device__ __forceinline__ void find_bucket(Shared& sh, uint32_t* H, uint32_t kr
     for (int i = threadIdx.x; i < 512; i += NT) h4[i] = make_uint4(0u, 0u, 0u, 0u);
   } else {
     if (threadIdx.x < NB) H[threadIdx.x] = 0u;
-  }
-}
-
-template <class F>
-struct Out {
-  using Raw = typename F::Raw;
-  Raw* values;              // row start or null
-  void* indices;            // row start
-  unsigned long long* sel;  // sorted: rank 0's pair buffer (maybe remote)
-  bool idx64, sorted;
-
-  __device__ __forceinline__ void emit(uint32_t pos, int e, uint32_t raw, uint32_t key) const {
-    if (sorted) {
-      sel[pos] = (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(e);
-      return;
-    }
-    if (values) values[pos] = static_cast<Raw>(raw);
-    if (idx64) {
-      static_cast<int64_t*>(indices)[pos] = e;
-    } else {
-      static_cast<int32_t*>(indices)[pos] = e;
-    }
-  }
-  __device__ __forceinline__ void pad(int pos) const {
-    if (values) values[pos] = static_cast<Raw>(F::kNegInf);
-    if (idx64) {
-      static_cast<int64_t*>(indices)[pos] = -1;
-    } else {
-      static_cast<int32_t*>(indices)[pos] = -1;
-    }
-  }
-};
-
-// Descending bitonic sort of a[0, n), n a power of two, by one CTA.
-template <int NT>
-__device__ __forceinline__ void sort_desc(unsigned long long* a, int n) {
-  for (int size = 2; size <= n; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int t = threadIdx.x; t < (n >> 1); t += NT) {
-        const int i = 2 * t - (t & (stride - 1));
-        const int j = i + stride;
-        const unsigned long long x = a[i], y = a[j];
-        const bool desc = (i & size) == 0;
-        if (desc ? x < y : x > y) {
-          a[i] = y;
-          a[j] = x;
-        }
-      }
-      __syncthreads();
-    }
   }
 }
 
@@ -1289,6 +1133,7 @@ void set_smem_attributes() {
   set_attrs<0>();
   set_attrs<1>();
   set_attrs<2>();
+  topk_rows_set_attributes();
   if (dev < 64) done[dev] = true;
 }
 
@@ -1337,8 +1182,8 @@ int buffer_entries(int64_t B, int k, int nt, bool sorted) {
 
 }  // namespace
 
-TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted) {
-  (void)dtype;
+TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, bool aligned) {
+  if (aligned && topk_rows_fits(dtype, B, N)) return topk_rows_plan(dtype, N, k, sorted);
   const int64_t sms = num_sms();
   int g = 1;  // a cluster per row while B * G fits one CTA per SM and parts stay long
   while (g < kMaxCluster && B * 2 * g <= sms && N / (2 * g) >= kMinPart) g *= 2;
@@ -1346,7 +1191,7 @@ TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted) {
   const int64_t mid = nt == kBig && g == 1 ? kRingBytes : (sorted ? kTopkMaxK * 8 : 0);
   const int64_t smem =
       static_cast<int64_t>(sizeof(Shared)) + mid + 8 * static_cast<int64_t>(buffer_entries(B, k, nt, sorted));
-  return TopkPlan{g, nt, static_cast<int>(smem)};
+  return TopkPlan{g, nt, static_cast<int>(smem), 0};
 }
 
 void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int k,
@@ -1355,7 +1200,14 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
   if (B <= 0) return;
   if (k < 1 || k > kTopkMaxK) throw std::runtime_error("deepfuse: topk: k must be in [1, 4096]");
   if (N < 0 || N >= (int64_t{1} << 31)) throw std::runtime_error("deepfuse: topk: N must be < 2^31");
-  const TopkPlan plan = topk_plan(dtype, B, N, k, sorted);
+  const int64_t esize = dtype == TopkDtype::kF32 ? 4 : 2;
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && (ld * esize) % 16 == 0;
+  const TopkPlan plan = topk_plan(dtype, B, N, k, sorted, aligned);
+  if (plan.kernel == 1) {
+    set_smem_attributes();
+    topk_rows(x, dtype, B, N, ld, k, lengths, values, indices, idx64, sorted, stream);
+    return;
+  }
   if (B * plan.ctas_per_row >= (int64_t{1} << 31)) throw std::runtime_error("deepfuse: topk: too many rows");
   Params P;
   P.x = x;

@@ -20,12 +20,23 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
           cudaStream_t stream);
 
 // The launch plan topk() uses (for tests and benchmarks): CTAs per row (a thread-block
-// cluster when > 1), threads per CTA and the dynamic shared memory per CTA in bytes.
+// cluster when > 1), threads per CTA, the dynamic shared memory per CTA in bytes, and the
+// kernel: 0 the general one (topk.cu), 1 the short-row one (topk_rows.cu). aligned: rows
+// start on 16 bytes (x and ld), as for a contiguous tensor.
 struct TopkPlan {
   int ctas_per_row;
   int threads;
   int smem_bytes;
+  int kernel;
 };
-TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted);
+TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, bool aligned = true);
+
+// Short rows (topk_rows.cu), used by topk(): whether a shape fits when rows are aligned,
+// its plan, the launch (same contract as topk()), and the one-time kernel attributes.
+bool topk_rows_fits(TopkDtype dtype, int64_t B, int64_t N);
+TopkPlan topk_rows_plan(TopkDtype dtype, int64_t N, int k, bool sorted);
+void topk_rows(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int k, const int32_t* lengths,
+               void* values, void* indices, bool idx64, bool sorted, cudaStream_t stream);
+void topk_rows_set_attributes();
 
 }  // namespace deepfuse

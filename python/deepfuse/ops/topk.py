@@ -102,9 +102,9 @@ def _(x, k, lengths, sorted, indices, values):
     return None
 
 
-def launch_plan(dtype: torch.dtype, B: int, N: int, k: int, sorted: bool = False) -> tuple[int, int, int]:
-    """The CUDA kernel's plan for a shape (needs a GPU): (CTAs per row, threads per CTA,
-    shared memory bytes per CTA)."""
+def launch_plan(dtype: torch.dtype, B: int, N: int, k: int, sorted: bool = False) -> tuple[int, int, int, int]:
+    """The CUDA kernel's plan for a shape with 16-byte aligned rows (needs a GPU): (CTAs per
+    row, threads per CTA, shared memory bytes per CTA, kernel: 0 general, 1 short rows)."""
     return tuple(_ext.ext(torch.device("cuda")).topk_plan(_DTYPES.index(dtype), B, N, k, sorted))
 
 

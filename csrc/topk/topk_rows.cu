@@ -1,0 +1,411 @@
+// Row-wise top-k for short rows: one CTA per row, the whole row in registers, an exact
+// radix select. (Longer rows: topk.cu samples a threshold and buffers candidates.)
+//
+// A row of at most 512 x 4 16-byte vectors (16K 16-bit or 8K fp32 values) is read once
+// into registers, as keys (topk_common.cuh: float order, NaN above +inf; 0 marks "not in
+// the row"). Level 1: a 2048-bin shared histogram of the top 11 key bits of every element
+// finds the bucket holding the K-th largest key. One pass then splits each thread's
+// elements into bit masks: A (bucket above: selected) and C (in the bucket: open). The
+// next levels (16-bit keys: the last 5 bits; fp32: 11, then 10) walk only C's set bits:
+// histogram, search, then move C's elements above the found digit to A and drop those
+// below. After the last level C holds the keys equal to the K-th, T. A block scan of
+// (|A|, |C|) gives every thread its slots: A's elements to [0, above) in row order, the
+// first krem = K - above of C's after them (sorted: (key, index) pairs in shared memory,
+// then a bitonic sort). No candidate buffer, no fallback, no data-dependent second pass.
+// Cost (bf16 1 x 8192 k = 512, H200, tools/topk_probe.cu): ~9K cycles, of which the load
+// ~1.5K, level 1 ~1.4K (8192 shared atomics; lanes of a warp collide on the few dozen
+// bins real data fills, yet per-lane private bins measured slower) and the passes over
+// every element (integer pipe, half rate) most of the rest.
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/cuda_utils.h"
+#include "topk/topk.h"
+#include "topk/topk_common.cuh"
+
+namespace deepfuse {
+namespace {
+
+constexpr int kRowBins = 2048;  // level 1 (and fp32 level 2): 11 bits
+
+// Build with -DDEEPFUSE_TOPK_PROBE (tools/topk_probe.cu): CTA b's thread 0 records phase
+// clocks in g_topk_rows_probe[b].
+#ifdef DEEPFUSE_TOPK_PROBE
+__device__ unsigned long long g_topk_rows_probe[4096][8];
+#define ROWS_PROBE(i) \
+  do { if (threadIdx.x == 0 && blockIdx.x < 4096) g_topk_rows_probe[blockIdx.x][i] = clock64(); } while (0)
+#else
+#define ROWS_PROBE(i) do {} while (0)
+#endif
+
+struct RowsParams {
+  const void* x;
+  int64_t ld;
+  const int32_t* lengths;
+  void* values;
+  void* indices;
+  int N, k, idx64, sorted;
+};
+
+struct __align__(16) RowsShared {
+  uint32_t h[2][kRowBins];  // level histograms (zeroed at start; fp32 level 3 reuses h[0])
+  uint32_t wsum[32];        // per-warp sums of a block scan
+  uint32_t res_bin, res_above;
+};
+
+// Bucket b of H[0, NB) with S(b+1) < krem <= S(b), S(b) = sum of the bins >= b (S(0) >= krem
+// on entry): returns {b, S(b+1)}. Block-collective, two barriers; H is read before the first.
+template <int NT, int NB>
+__device__ __forceinline__ uint2 find_bin(RowsShared& sh, const uint32_t* H, uint32_t krem) {
+  constexpr int PER = NB >= NT ? NB / NT : 1;  // bins per thread, consecutive
+  constexpr int NW = NT / 32;
+  static_assert(PER == 1 || PER == 2 || PER == 4, "bins per thread");
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  uint32_t c[PER];
+  if constexpr (PER == 4) {
+    const uint4 q = reinterpret_cast<const uint4*>(H)[t];
+    c[0] = q.x, c[1] = q.y, c[2] = q.z, c[3] = q.w;
+  } else if constexpr (PER == 2) {
+    const uint2 q = reinterpret_cast<const uint2*>(H)[t];
+    c[0] = q.x, c[1] = q.y;
+  } else {
+    c[0] = t < NB ? H[t] : 0u;
+  }
+  uint32_t tot = 0;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) tot += c[j];
+  uint32_t suf = tot;  // inclusive suffix sum over this warp's lanes >= this one
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_down_sync(kFull, suf, off);
+    if (lane + off < 32) suf += o;
+  }
+  if (lane == 0) sh.wsum[warp] = suf;
+  __syncthreads();
+  uint32_t run = __reduce_add_sync(kFull, lane > warp && lane < NW ? sh.wsum[lane] : 0u) + suf - tot;
+#pragma unroll
+  for (int j = PER - 1; j >= 0; --j) {
+    if (run < krem && run + c[j] >= krem) {
+      sh.res_bin = static_cast<uint32_t>(t * PER + j);
+      sh.res_above = run;
+    }
+    run += c[j];
+  }
+  __syncthreads();
+  return make_uint2(sh.res_bin, sh.res_above);
+}
+
+// The same for 32 bins, by every warp on its own (no barrier).
+__device__ __forceinline__ uint2 find_bin32(const uint32_t* H, uint32_t krem) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t c = H[lane];
+  uint32_t suf = c;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_down_sync(kFull, suf, off);
+    if (lane + off < 32) suf += o;
+  }
+  const uint32_t above = suf - c;
+  const int b = __ffs(__ballot_sync(kFull, above < krem && suf >= krem)) - 1;
+  return make_uint2(static_cast<uint32_t>(b), __shfl_sync(kFull, above, b));
+}
+
+// Keys of the elements of a 16-byte vector (16-bit: two per word, in place).
+template <class F>
+__device__ __forceinline__ uint4 keys(const uint4& v) {
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (F::kBits == 16) {
+      const uint32_t flip = ((w[i] >> 15) & 0x00010001u) * 0x7FFFu | 0x80008000u;
+      const uint32_t nan = __vcmpgtu2(w[i] & 0x7FFF7FFFu, F::kNaNAbove * 0x00010001u);
+      w[i] = (w[i] ^ flip) | nan;
+    } else {
+      w[i] = F::key(w[i]);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// v with its elements from n on (0 < n < VEC) set to 0.
+template <int VEC>
+__device__ __forceinline__ uint4 keep_first(const uint4& v, int n) {
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (VEC == 8) {
+      w[i] &= (2 * i + 1 < n ? 0xFFFF0000u : 0u) | (2 * i < n ? 0xFFFFu : 0u);
+    } else {
+      w[i] = i < n ? w[i] : 0u;
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ int ctz(uint32_t m) { return __ffs(static_cast<int>(m)) - 1; }
+__device__ __forceinline__ int ctz(unsigned long long m) { return __ffsll(static_cast<long long>(m)) - 1; }
+__device__ __forceinline__ int popc(uint32_t m) { return __popc(m); }
+__device__ __forceinline__ int popc(unsigned long long m) { return __popcll(m); }
+
+template <int FMT, int NT, int V>
+__global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
+  using F = Fmt<FMT>;
+  using Raw = typename F::Raw;
+  constexpr int VEC = 16 / sizeof(Raw);
+  constexpr int KB = F::kBits;
+  constexpr int EPT = V * VEC;  // elements per thread
+  using Mask = std::conditional_t<(EPT <= 32), uint32_t, unsigned long long>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  RowsShared& sh = *reinterpret_cast<RowsShared*>(smem);
+  unsigned long long* sel = reinterpret_cast<unsigned long long*>(smem + sizeof(RowsShared));
+  const int tid = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const Raw* p = static_cast<const Raw*>(P.x) + row * P.ld;
+  const int L = P.lengths ? min(max(P.lengths[row], 0), P.N) : P.N;
+  const int K = min(P.k, L);
+  ROWS_PROBE(0);
+
+  // Vector j of this thread holds elements [(tid + j * NT) * VEC, + VEC): in bounds when it
+  // starts below L (N is a multiple of VEC). Held as keys; 0 (no real key) past L.
+  uint4 v[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int e0 = (tid + j * NT) * VEC;
+    v[j] = e0 < L ? ld_stream(p + e0) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  uint4* h4 = reinterpret_cast<uint4*>(&sh.h[0][0]);
+  for (int i = tid; i < 2 * kRowBins / 4; i += NT) h4[i] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int e0 = (tid + j * NT) * VEC;
+    if (e0 < L) {
+      v[j] = keys<F>(v[j]);
+      if (e0 + VEC > L) v[j] = keep_first<VEC>(v[j], L - e0);
+    }
+  }
+  __syncthreads();
+  ROWS_PROBE(1);
+
+  // Element q in [0, V * VEC) of this thread: vector q / VEC, lane q % VEC. Compile-time q
+  // (every element, unrolled) or run-time q (set bits of a mask; selects, no local memory).
+  auto key_dyn = [&](int q) {
+    uint4 w = v[0];
+#pragma unroll
+    for (int j = 1; j < V; ++j) w = q / VEC == j ? v[j] : w;
+    return elem_dyn<VEC>(w, q % VEC);
+  };
+  auto index_of = [&](int q) { return (tid + q / VEC * NT) * VEC + q % VEC; };
+
+  // A: this thread's elements selected for sure; C: those in the bucket still open (keys
+  // whose digits so far equal the K-th key's). After the last level C holds keys == T.
+  Mask A = 0, C = 0;
+  uint32_t above = 0, krem = 0;  // keys above the open bucket; slots left for it
+  if (L <= P.k) {  // every element (key 0 marks none)
+#pragma unroll
+    for (int q = 0; q < EPT; ++q) A |= static_cast<Mask>(elem<VEC>(v[q / VEC], q % VEC) != 0u) << q;
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      if ((tid + j * NT) * VEC < L) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const uint32_t key = elem<VEC>(v[j], i);
+          if (key) atomicAdd(&sh.h[0][key >> (KB - 11)], 1u);
+        }
+      }
+    }
+    __syncthreads();
+    ROWS_PROBE(2);
+    const uint2 r = find_bin<NT, kRowBins>(sh, sh.h[0], static_cast<uint32_t>(K));
+    ROWS_PROBE(3);
+    above = r.y;
+#pragma unroll
+    for (int q = 0; q < EPT; ++q) {
+      const uint32_t d = elem<VEC>(v[q / VEC], q % VEC) >> (KB - 11);
+      A |= static_cast<Mask>(d > r.x) << q;
+      C |= static_cast<Mask>(d == r.x) << q;
+    }
+    ROWS_PROBE(7);
+    // Next level: digit (key >> shift) & (NB - 1) of the open bucket's keys.
+    auto level = [&](auto nb, int shift, uint32_t* H) {
+      constexpr int NB = decltype(nb)::value;
+      for (Mask m = C; m; m &= m - 1)
+        atomicAdd(&H[(key_dyn(ctz(m)) >> shift) & (NB - 1)], 1u);
+      __syncthreads();
+      const uint2 b = NB == 32 ? find_bin32(H, static_cast<uint32_t>(K) - above)
+                               : find_bin<NT, NB>(sh, H, static_cast<uint32_t>(K) - above);
+      above += b.y;
+      for (Mask m = C; m; m &= m - 1) {
+        const int q = ctz(m);
+        const uint32_t d = (key_dyn(q) >> shift) & (NB - 1);
+        if (d != b.x) C &= ~(Mask{1} << q);
+        if (d > b.x) A |= Mask{1} << q;
+      }
+    };
+    if constexpr (KB == 16) {
+      level(std::integral_constant<int, 32>{}, 0, sh.h[1]);
+    } else {
+      // h[0] was read before find_bin's first barrier: cleared for level 3.
+      for (int i = tid; i < kRowBins / 4; i += NT) h4[i] = make_uint4(0u, 0u, 0u, 0u);
+      level(std::integral_constant<int, kRowBins>{}, 10, sh.h[1]);
+      level(std::integral_constant<int, 1024>{}, 0, sh.h[0]);
+    }
+    krem = static_cast<uint32_t>(K) - above;
+  }
+  ROWS_PROBE(4);
+
+  // Slots: a block exclusive scan of |A| << 16 | |C| in thread order (the high half sums to
+  // <= K, the low half to <= L < 2^16): keys above T to [0, above) in row order, the first
+  // krem of those equal to T to [above, K).
+  const uint32_t cnt = static_cast<uint32_t>(popc(A)) << 16 | static_cast<uint32_t>(popc(C));
+  const int lane = tid & 31, warp = tid >> 5;
+  uint32_t inc = cnt;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_up_sync(kFull, inc, off);
+    if (lane >= off) inc += o;
+  }
+  if (lane == 31) sh.wsum[warp] = inc;  // the last find_bin read wsum before its 2nd barrier
+  __syncthreads();
+  const uint32_t base = __reduce_add_sync(kFull, lane < warp ? sh.wsum[lane] : 0u) + inc - cnt;
+  uint32_t gpos = base >> 16, qpos = base & 0xFFFFu;
+  ROWS_PROBE(5);
+
+  Out<F> o;
+  o.values = P.values ? static_cast<Raw*>(P.values) + row * P.k : nullptr;
+  o.indices = P.idx64 ? static_cast<void*>(static_cast<int64_t*>(P.indices) + row * P.k)
+                      : static_cast<void*>(static_cast<int32_t*>(P.indices) + row * P.k);
+  o.sel = sel;
+  o.idx64 = P.idx64 != 0;
+  o.sorted = P.sorted != 0;
+  // A NaN's key drops its payload: its bits are read again.
+  auto put = [&](uint32_t pos, int q) {
+    const uint32_t key = key_dyn(q);
+    const int e = index_of(q);
+    const uint32_t raw = !o.values ? 0u : (key == F::kKeyNaN ? static_cast<uint32_t>(__ldg(p + e)) : F::raw(key));
+    o.emit(pos, e, raw, key);
+  };
+  for (Mask m = A; m; m &= m - 1) put(gpos++, ctz(m));
+  for (Mask m = C; m && qpos < krem; m &= m - 1) put(above + qpos++, ctz(m));
+  {
+    Out<F> og = o;
+    og.sorted = false;
+    for (int pos = K + tid; pos < P.k; pos += NT) og.pad(pos);
+  }
+  ROWS_PROBE(6);
+  if (o.sorted) {
+    __syncthreads();
+    if (K == 0) return;
+    int n = 1;
+    while (n < K) n <<= 1;
+    for (int i = K + tid; i < n; i += NT) sel[i] = 0ull;  // below every real pair
+    __syncthreads();
+    sort_desc<NT>(sel, n);
+    Out<F> og = o;
+    og.sorted = false;
+    for (int i = tid; i < K; i += NT) {
+      const int e = static_cast<int>(static_cast<uint32_t>(sel[i]));
+      og.emit(i, e, og.values ? __ldg(p + e) : 0u, 0u);
+    }
+  }
+}
+
+// Configurations (threads, vectors per thread) by row length in 16-byte vectors. Up to
+// 2048 vectors (16K 16-bit / 8K fp32 values): measured faster than topk.cu there (bf16
+// 512 x 16384 k = 512 excepted, 10% slower); 1024 threads x 4 or 8 vectors (32K and 64K
+// 16-bit values) were slower than topk.cu's clusters at every B (docs/notes/topk-perf.md).
+struct RowsCfg {
+  int nt, v;
+};
+constexpr RowsCfg kRowsCfg[] = {{512, 1}, {512, 2}, {512, 4}};
+constexpr int kRowsMaxVecs = 512 * 4;
+
+int rows_cfg(int64_t nvec) {
+  for (int c = 0; c < 3; ++c)
+    if (nvec <= int64_t{kRowsCfg[c].nt} * kRowsCfg[c].v) return c;
+  return -1;
+}
+
+int rows_smem(int k, bool sorted) {
+  int n = 1;
+  while (n < k) n <<= 1;
+  return static_cast<int>(sizeof(RowsShared)) + (sorted ? n * 8 : 0);
+}
+
+template <int FMT, int NT, int V>
+void rows_attr() {
+  check_cuda(cudaFuncSetAttribute(topk_rows_kernel<FMT, NT, V>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(sizeof(RowsShared)) + kTopkMaxK * 8),
+             "topk: cudaFuncSetAttribute");
+}
+
+template <int FMT>
+void rows_attrs() {
+  rows_attr<FMT, 512, 1>();
+  rows_attr<FMT, 512, 2>();
+  rows_attr<FMT, 512, 4>();
+}
+
+template <int FMT>
+void rows_launch(const RowsParams& P, int64_t B, int cfg, int smem, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(B)), block(static_cast<unsigned>(kRowsCfg[cfg].nt));
+  switch (cfg) {
+    case 0: topk_rows_kernel<FMT, 512, 1><<<grid, block, smem, stream>>>(P); break;
+    case 1: topk_rows_kernel<FMT, 512, 2><<<grid, block, smem, stream>>>(P); break;
+    default: topk_rows_kernel<FMT, 512, 4><<<grid, block, smem, stream>>>(P); break;
+  }
+  check_launch("topk_rows");
+}
+
+}  // namespace
+
+#ifdef DEEPFUSE_TOPK_PROBE
+void topk_rows_probe_read(unsigned long long* host, int ctas) {
+  check_cuda(cudaMemcpyFromSymbol(host, g_topk_rows_probe, sizeof(unsigned long long) * 8 * ctas), "probe read");
+}
+#endif
+
+bool topk_rows_fits(TopkDtype dtype, int64_t B, int64_t N) {
+#ifdef DEEPFUSE_TOPK_ROWS_OFF  // A/B builds: the general kernel only
+  return false;
+#endif
+  const int64_t vec = dtype == TopkDtype::kF32 ? 4 : 8;
+  return B >= 1 && B < (int64_t{1} << 31) && N >= 1 && N % vec == 0 && N / vec <= kRowsMaxVecs;
+}
+
+TopkPlan topk_rows_plan(TopkDtype dtype, int64_t N, int k, bool sorted) {
+  const int64_t vec = dtype == TopkDtype::kF32 ? 4 : 8;
+  const int c = rows_cfg(N / vec);
+  return TopkPlan{1, kRowsCfg[c].nt, rows_smem(k, sorted), 1};
+}
+
+void topk_rows_set_attributes() {
+  rows_attrs<0>();
+  rows_attrs<1>();
+  rows_attrs<2>();
+}
+
+void topk_rows(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int k, const int32_t* lengths,
+               void* values, void* indices, bool idx64, bool sorted, cudaStream_t stream) {
+  RowsParams P;
+  P.x = x;
+  P.ld = ld;
+  P.lengths = lengths;
+  P.values = values;
+  P.indices = indices;
+  P.N = static_cast<int>(N);
+  P.k = k;
+  P.idx64 = idx64;
+  P.sorted = sorted;
+  const int64_t vec = dtype == TopkDtype::kF32 ? 4 : 8;
+  const int cfg = rows_cfg(N / vec);
+  const int smem = rows_smem(k, sorted);
+  switch (dtype) {
+    case TopkDtype::kBf16: rows_launch<0>(P, B, cfg, smem, stream); break;
+    case TopkDtype::kF16: rows_launch<1>(P, B, cfg, smem, stream); break;
+    default: rows_launch<2>(P, B, cfg, smem, stream); break;
+  }
+}
+
+}  // namespace deepfuse
