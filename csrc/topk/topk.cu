@@ -1183,7 +1183,7 @@ int buffer_entries(int64_t B, int k, int nt, bool sorted) {
 }  // namespace
 
 TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, bool aligned) {
-  if (aligned && topk_rows_fits(dtype, B, N)) return topk_rows_plan(dtype, N, k, sorted);
+  if (aligned && topk_rows_fits(dtype, B, N)) return topk_rows_plan(dtype, B, N, k, sorted);
   const int64_t sms = num_sms();
   int g = 1;  // a cluster per row while B * G fits one CTA per SM and parts stay long
   while (g < kMaxCluster && B * 2 * g <= sms && N / (2 * g) >= kMinPart) g *= 2;

@@ -1,21 +1,22 @@
 // Row-wise top-k for short rows: one CTA per row, the whole row in registers, an exact
 // radix select. (Longer rows: topk.cu samples a threshold and buffers candidates.)
 //
-// A row of at most 512 x 4 16-byte vectors (16K 16-bit or 8K fp32 values) is read once
-// into registers, as keys (topk_common.cuh: float order, NaN above +inf; 0 marks "not in
-// the row"). Level 1: a 2048-bin shared histogram of the top 11 key bits of every element
-// finds the bucket holding the K-th largest key. One pass then splits each thread's
-// elements into bit masks: A (bucket above: selected) and C (in the bucket: open). The
-// next levels (16-bit keys: the last 5 bits; fp32: 11, then 10) walk only C's set bits:
-// histogram, search, then move C's elements above the found digit to A and drop those
-// below. After the last level C holds the keys equal to the K-th, T. A block scan of
-// (|A|, |C|) gives every thread its slots: A's elements to [0, above) in row order, the
-// first krem = K - above of C's after them (sorted: (key, index) pairs in shared memory,
-// then a bitonic sort). No candidate buffer, no fallback, no data-dependent second pass.
-// Cost (bf16 1 x 8192 k = 512, H200, tools/topk_probe.cu): ~9K cycles, of which the load
-// ~1.5K, level 1 ~1.4K (8192 shared atomics; lanes of a warp collide on the few dozen
-// bins real data fills, yet per-lane private bins measured slower) and the passes over
-// every element (integer pipe, half rate) most of the rest.
+// A row of at most 2048 16-byte vectors (16K 16-bit or 8K fp32 values; 512 or 1024
+// threads, 1 to 4 vectors each: kRowsCfg) is read once into registers, as keys
+// (topk_common.cuh: float order, NaN above +inf; 0 marks "not in the row"). Level 1: a
+// 2048-bin shared histogram of the top 11 key bits of every element finds the bucket
+// holding the K-th largest key. One pass then splits each thread's elements into bit
+// masks: A (bucket above: selected) and C (in the bucket: open). The next levels (16-bit
+// keys: the last 5 bits; fp32: 11, then 10) walk only C's set bits: histogram, search,
+// then move C's elements above the found digit to A and drop those below. After the last
+// level C holds the keys equal to the K-th, T. A block scan of (|A|, |C|) gives every
+// thread its slots: A's elements to [0, above) in row order, the first krem = K - above
+// of C's after them (sorted: (key, index) pairs in shared memory, then a bitonic sort).
+// No candidate buffer, no fallback, no data-dependent second pass.
+// Cost (bf16 1 x 8192 k = 512, 512 threads, H200, tools/topk_probe.cu): ~8K cycles: the
+// load ~1.5K, level 1 ~1.4K (8192 shared atomics; lanes of a warp collide on the few
+// dozen bins real data fills, yet per-lane private bins measured slower), the mask pass
+// ~0.7K (integer pipe, half rate), the later levels ~1.7K, scan and output ~2K.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -144,9 +145,6 @@ __device__ __forceinline__ uint4 keep_first(const uint4& v, int n) {
 }
 
 __device__ __forceinline__ int ctz(uint32_t m) { return __ffs(static_cast<int>(m)) - 1; }
-__device__ __forceinline__ int ctz(unsigned long long m) { return __ffsll(static_cast<long long>(m)) - 1; }
-__device__ __forceinline__ int popc(uint32_t m) { return __popc(m); }
-__device__ __forceinline__ int popc(unsigned long long m) { return __popcll(m); }
 
 template <int FMT, int NT, int V>
 __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
@@ -154,8 +152,9 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
   using Raw = typename F::Raw;
   constexpr int VEC = 16 / sizeof(Raw);
   constexpr int KB = F::kBits;
-  constexpr int EPT = V * VEC;  // elements per thread
-  using Mask = std::conditional_t<(EPT <= 32), uint32_t, unsigned long long>;
+  constexpr int EPT = V * VEC;  // elements per thread: one bit each in a mask
+  static_assert(EPT <= 32, "elements per thread");
+  using Mask = uint32_t;
   extern __shared__ __align__(16) unsigned char smem[];
   RowsShared& sh = *reinterpret_cast<RowsShared*>(smem);
   unsigned long long* sel = reinterpret_cast<unsigned long long*>(smem + sizeof(RowsShared));
@@ -258,7 +257,7 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
   // Slots: a block exclusive scan of |A| << 16 | |C| in thread order (the high half sums to
   // <= K, the low half to <= L < 2^16): keys above T to [0, above) in row order, the first
   // krem of those equal to T to [above, K).
-  const uint32_t cnt = static_cast<uint32_t>(popc(A)) << 16 | static_cast<uint32_t>(popc(C));
+  const uint32_t cnt = static_cast<uint32_t>(__popc(A)) << 16 | static_cast<uint32_t>(__popc(C));
   const int lane = tid & 31, warp = tid >> 5;
   uint32_t inc = cnt;
 #pragma unroll
@@ -311,20 +310,23 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
   }
 }
 
-// Configurations (threads, vectors per thread) by row length in 16-byte vectors. Up to
-// 2048 vectors (16K 16-bit / 8K fp32 values): measured faster than topk.cu there (bf16
-// 512 x 16384 k = 512 excepted, 10% slower); 1024 threads x 4 or 8 vectors (32K and 64K
-// 16-bit values) were slower than topk.cu's clusters at every B (docs/notes/topk-perf.md).
+// Configurations (threads, vectors per thread) by row length in 16-byte vectors, up to
+// 2048 (16K 16-bit / 8K fp32 values; measured faster than topk.cu there, bf16 512 x 16384
+// k = 512 excepted, 10% slower; 1024 threads x 4 or 8 vectors for 32K and 64K 16-bit values
+// were slower than topk.cu's clusters at every B). 1024 threads while B <= #SMs and rows
+// exceed 512 vectors (fewer elements per thread: shorter chains on an SM that has one row);
+// 512 threads when SMs take several rows (several CTAs overlap) and for shorter rows
+// (measured: docs/notes/topk-perf.md, session 6).
 struct RowsCfg {
   int nt, v;
 };
-constexpr RowsCfg kRowsCfg[] = {{512, 1}, {512, 2}, {512, 4}};
+constexpr RowsCfg kRowsCfg[] = {{512, 1}, {512, 2}, {512, 4}, {1024, 1}, {1024, 2}};
 constexpr int kRowsMaxVecs = 512 * 4;
 
-int rows_cfg(int64_t nvec) {
-  for (int c = 0; c < 3; ++c)
-    if (nvec <= int64_t{kRowsCfg[c].nt} * kRowsCfg[c].v) return c;
-  return -1;
+int rows_cfg(int64_t B, int64_t nvec) {
+  if (nvec <= 512) return 0;
+  if (B <= num_sms()) return nvec <= 1024 ? 3 : 4;
+  return nvec <= 1024 ? 1 : 2;
 }
 
 int rows_smem(int k, bool sorted) {
@@ -345,6 +347,8 @@ void rows_attrs() {
   rows_attr<FMT, 512, 1>();
   rows_attr<FMT, 512, 2>();
   rows_attr<FMT, 512, 4>();
+  rows_attr<FMT, 1024, 1>();
+  rows_attr<FMT, 1024, 2>();
 }
 
 template <int FMT>
@@ -353,7 +357,9 @@ void rows_launch(const RowsParams& P, int64_t B, int cfg, int smem, cudaStream_t
   switch (cfg) {
     case 0: topk_rows_kernel<FMT, 512, 1><<<grid, block, smem, stream>>>(P); break;
     case 1: topk_rows_kernel<FMT, 512, 2><<<grid, block, smem, stream>>>(P); break;
-    default: topk_rows_kernel<FMT, 512, 4><<<grid, block, smem, stream>>>(P); break;
+    case 2: topk_rows_kernel<FMT, 512, 4><<<grid, block, smem, stream>>>(P); break;
+    case 3: topk_rows_kernel<FMT, 1024, 1><<<grid, block, smem, stream>>>(P); break;
+    default: topk_rows_kernel<FMT, 1024, 2><<<grid, block, smem, stream>>>(P); break;
   }
   check_launch("topk_rows");
 }
@@ -374,9 +380,9 @@ bool topk_rows_fits(TopkDtype dtype, int64_t B, int64_t N) {
   return B >= 1 && B < (int64_t{1} << 31) && N >= 1 && N % vec == 0 && N / vec <= kRowsMaxVecs;
 }
 
-TopkPlan topk_rows_plan(TopkDtype dtype, int64_t N, int k, bool sorted) {
+TopkPlan topk_rows_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted) {
   const int64_t vec = dtype == TopkDtype::kF32 ? 4 : 8;
-  const int c = rows_cfg(N / vec);
+  const int c = rows_cfg(B, N / vec);
   return TopkPlan{1, kRowsCfg[c].nt, rows_smem(k, sorted), 1};
 }
 
@@ -399,7 +405,7 @@ void topk_rows(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld,
   P.idx64 = idx64;
   P.sorted = sorted;
   const int64_t vec = dtype == TopkDtype::kF32 ? 4 : 8;
-  const int cfg = rows_cfg(N / vec);
+  const int cfg = rows_cfg(B, N / vec);
   const int smem = rows_smem(k, sorted);
   switch (dtype) {
     case TopkDtype::kBf16: rows_launch<0>(P, B, cfg, smem, stream); break;
