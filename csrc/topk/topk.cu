@@ -7,7 +7,10 @@
 //
 // Why not a radix select over the whole row: for real-valued data the top digit of the key
 // falls into a few dozen bins, so a histogram of every element serialises on shared-memory
-// atomics to the same addresses. Only 1-4K samples and the ~K candidates are histogrammed.
+// atomics to the same addresses, and every element costs a pass of integer work. Only 1-4K
+// samples and the ~K candidates are histogrammed. (Rows of <= 2048 16-byte vectors with
+// aligned rows go to topk_rows.cu instead, which does select over the whole row: there
+// that measured cheaper than this kernel's chain of phases.)
 // Small rows are a chain of dependent steps on one SM, so the design counts barriers and
 // round trips (tools/topk_probe.cu times each phase; docs/notes/topk-perf.md).
 //
