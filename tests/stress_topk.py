@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     while time.time() - t0 < a.seconds:
         dtype = rng.choice(TT.DTYPES)
         N = rng.choice([rng.randint(1, 600), rng.randint(600, 20000), rng.randint(20000, 300000),
-                        rng.choice([8192, 32768, 131072, 129280, 262144]), rng.randint(300000, 1_200_000)])
+                        rng.choice([8192, 32768, 131072, 129280, 262144]), rng.randint(300000, 1_200_000),
+                        8 * rng.randint(1, 2048)])  # aligned short rows: the short-row kernel
         B = rng.choice([1, 2, 3, rng.randint(1, 40), 64, 128, rng.randint(100, 600)])
         B = max(1, min(B, a.max_elems // max(N, 1)))
         k = rng.choice([1, 2, rng.randint(1, 64), 50, 512, 1024, 2048, 4096, rng.randint(1, 4096), min(4096, N),

@@ -148,12 +148,12 @@ int main(int argc, char** argv) {
     float gms;
     CK(cudaEventElapsedTime(&gms, e0, e1));
     if (plan.kernel == 1) {  // short-row kernel: CTA 0's phases (topk_rows.cu's ROWS_PROBE points)
-      std::vector<unsigned long long> rp(8 * std::min(s.B, 4096));
+      std::vector<unsigned long long> rp(16 * std::min(s.B, 4096));
       deepfuse::topk_rows_probe_read(rp.data(), std::min(s.B, 4096));
       auto d = [&](int a, int b) { return (long long)(rp[b] - rp[a]); };
-      printf("%-4s %5d %7d %5d R%dx%-3d %9.2f %9.2f | rows: load %5lld level1 %5lld find1 %5lld masks %5lld levels %5lld scan %5lld emit %5lld\n",
+      printf("%-4s %5d %7d %5d R%dx%-3d %9.2f %9.2f | rows: load %5lld level1 %5lld find1 %5lld masks %5lld levels %5lld (open %lld bar %lld find %lld refine %lld) scan %5lld emit %5lld\n",
              s.fmt == 0 ? "bf16" : "fp32", s.B, s.N, s.k, plan.ctas_per_row, plan.threads, gms * 1000.f / 100.f,
-             ev[ev.size() / 2], d(0, 1), d(1, 2), d(2, 3), d(3, 7), d(7, 4), d(4, 5), d(5, 6));
+             ev[ev.size() / 2], d(0, 1), d(1, 2), d(2, 3), d(3, 7), d(7, 4), d(7, 8), d(8, 9), d(9, 10), d(10, 4), d(4, 5), d(5, 6));
       CK(cudaGraphExecDestroy(ge));
       CK(cudaGraphDestroy(g));
       CK(cudaFree(x));

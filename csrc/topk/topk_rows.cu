@@ -33,7 +33,7 @@ constexpr int kRowBins = 2048;  // level 1 (and fp32 level 2): 11 bits
 // Build with -DDEEPFUSE_TOPK_PROBE (tools/topk_probe.cu): CTA b's thread 0 records phase
 // clocks in g_topk_rows_probe[b].
 #ifdef DEEPFUSE_TOPK_PROBE
-__device__ unsigned long long g_topk_rows_probe[4096][8];
+__device__ unsigned long long g_topk_rows_probe[4096][16];
 #define ROWS_PROBE(i) \
   do { if (threadIdx.x == 0 && blockIdx.x < 4096) g_topk_rows_probe[blockIdx.x][i] = clock64(); } while (0)
 #else
@@ -154,6 +154,7 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
   constexpr int KB = F::kBits;
   constexpr int EPT = V * VEC;  // elements per thread: one bit each in a mask
   static_assert(EPT <= 32, "elements per thread");
+  static_assert((F::kKeyNegInf >> (KB - 11)) > 0, "real keys never fall in level 1's bin 0");
   using Mask = uint32_t;
   extern __shared__ __align__(16) unsigned char smem[];
   RowsShared& sh = *reinterpret_cast<RowsShared*>(smem);
@@ -209,8 +210,9 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
       if ((tid + j * NT) * VEC < L) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const uint32_t key = elem<VEC>(v[j], i);
-          if (key) atomicAdd(&sh.h[0][key >> (KB - 11)], 1u);
+          // Key 0 (past L: at most VEC - 1 elements) lands in bin 0, which the search never
+          // picks: the L > K real keys lie in bins >= key(-inf) >> (KB - 11) > 0.
+          atomicAdd(&sh.h[0][elem<VEC>(v[j], i) >> (KB - 11)], 1u);
         }
       }
     }
@@ -231,10 +233,13 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
       constexpr int NB = decltype(nb)::value;
       for (Mask m = C; m; m &= m - 1)
         atomicAdd(&H[(key_dyn(ctz(m)) >> shift) & (NB - 1)], 1u);
+      ROWS_PROBE(8);
       __syncthreads();
+      ROWS_PROBE(9);
       const uint2 b = NB == 32 ? find_bin32(H, static_cast<uint32_t>(K) - above)
                                : find_bin<NT, NB>(sh, H, static_cast<uint32_t>(K) - above);
       above += b.y;
+      ROWS_PROBE(10);
       for (Mask m = C; m; m &= m - 1) {
         const int q = ctz(m);
         const uint32_t d = (key_dyn(q) >> shift) & (NB - 1);
@@ -368,7 +373,7 @@ void rows_launch(const RowsParams& P, int64_t B, int cfg, int smem, cudaStream_t
 
 #ifdef DEEPFUSE_TOPK_PROBE
 void topk_rows_probe_read(unsigned long long* host, int ctas) {
-  check_cuda(cudaMemcpyFromSymbol(host, g_topk_rows_probe, sizeof(unsigned long long) * 8 * ctas), "probe read");
+  check_cuda(cudaMemcpyFromSymbol(host, g_topk_rows_probe, sizeof(unsigned long long) * 16 * ctas), "probe read");
 }
 #endif
 
