@@ -236,8 +236,12 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
       ROWS_PROBE(8);
       __syncthreads();
       ROWS_PROBE(9);
-      const uint2 b = NB == 32 ? find_bin32(H, static_cast<uint32_t>(K) - above)
-                               : find_bin<NT, NB>(sh, H, static_cast<uint32_t>(K) - above);
+      uint2 b;
+      if constexpr (NB == 32) {
+        b = find_bin32(H, static_cast<uint32_t>(K) - above);
+      } else {
+        b = find_bin<NT, NB>(sh, H, static_cast<uint32_t>(K) - above);
+      }
       above += b.y;
       ROWS_PROBE(10);
       for (Mask m = C; m; m &= m - 1) {
