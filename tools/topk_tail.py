@@ -42,9 +42,9 @@ def main() -> None:
             ts.append(e0.elapsed_time(e1) * 1000)
         s = sorted(ts)
         med = s[len(s) // 2]
-        slow = [round(t, 1) for t in ts if t > 2 * med]
+        slow = [(i, round(t, 1)) for i, t in enumerate(ts) if t > 2 * med]  # (draw, us)
         print(f"{spec}: {a.draws} draws, median {med:.1f} us, p99 {s[int(0.99 * len(s))]:.1f}, max {s[-1]:.1f}; "
-              f"> 2x median: {len(slow)} {slow[:10]}", flush=True)
+              f"> 2x median: {len(slow)} (draw, us) {slow[:10]}", flush=True)
 
 
 if __name__ == "__main__":
