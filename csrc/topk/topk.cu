@@ -1048,26 +1048,7 @@ __device__ __forceinline__ void topk_row(const Params& P, int64_t row, int rank,
 
   // Rank 0 from here on.
   const Out<F> o = make_out();
-  {
-    Out<F> og = o;
-    og.sorted = false;
-    for (int pos = kk + tid; pos < P.k; pos += NT) og.pad(pos);
-  }
-  if (o.sorted) {
-    __syncthreads();
-    if (kk == 0) return;
-    int n = 1;
-    while (n < kk) n <<= 1;
-    for (int i = kk + tid; i < n; i += NT) sel[i] = 0ull;  // below every real pair
-    __syncthreads();
-    sort_desc<NT>(sel, n);
-    Out<F> og = o;
-    og.sorted = false;
-    for (int i = tid; i < kk; i += NT) {
-      const int e = static_cast<int>(static_cast<uint32_t>(sel[i]));
-      og.emit(i, e, og.values ? __ldg(p + e) : 0u, 0u);
-    }
-  }
+  finish_row<F, NT>(o, sel, p, kk, P.k);
 }
 
 // G > 1: one cluster of G CTAs per row (grid B * G). G = 1: min(B, #SMs) CTAs, each taking

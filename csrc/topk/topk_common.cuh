@@ -37,19 +37,23 @@ __device__ __forceinline__ uint32_t ge_mask_pairs(const uint4& v, H2 t2) {
 
 template <int FMT>
 struct Fmt;
-template <>
-struct Fmt<0> {  // bf16
+// 16-bit floats, given the bits of +inf: keys, their inverse and the key constants.
+template <uint32_t PosInf>
+struct Fmt16 {
   using Raw = uint16_t;
   static constexpr int kBits = 16;
-  static constexpr uint32_t kNegInf = 0xFF80u;
-  static constexpr uint32_t kKeyNegInf = 0x007Fu, kKeyPosInf = 0xFF80u, kKeyNaN = 0xFFFFu;
-  static constexpr uint32_t kNaNAbove = 0x7F80u;  // |bits| above this: NaN
+  static constexpr uint32_t kNegInf = PosInf | 0x8000u;
+  static constexpr uint32_t kKeyNegInf = ~kNegInf & 0xFFFFu, kKeyPosInf = PosInf ^ 0x8000u, kKeyNaN = 0xFFFFu;
+  static constexpr uint32_t kNaNAbove = PosInf;  // |bits| above this: NaN
   __device__ __forceinline__ static uint32_t key(uint32_t r) {
     const uint32_t k = r ^ ((r & 0x8000u) ? 0xFFFFu : 0x8000u);
     return (r & 0x7FFFu) > kNaNAbove ? 0xFFFFu : k;
   }
   // The bits of a non-NaN key.
   __device__ __forceinline__ static uint32_t raw(uint32_t k) { return k ^ ((k & 0x8000u) ? 0x8000u : 0xFFFFu); }
+};
+template <>
+struct Fmt<0> : Fmt16<0x7F80u> {  // bf16
   __device__ __forceinline__ static float to_float(uint32_t r) { return __uint_as_float(r << 16); }
   // Bit i: element i of v is not below t (NaN included; t a bf16 value).
   __device__ __forceinline__ static uint32_t ge_mask(const uint4& v, float t) {
@@ -57,17 +61,7 @@ struct Fmt<0> {  // bf16
   }
 };
 template <>
-struct Fmt<1> {  // fp16
-  using Raw = uint16_t;
-  static constexpr int kBits = 16;
-  static constexpr uint32_t kNegInf = 0xFC00u;
-  static constexpr uint32_t kKeyNegInf = 0x03FFu, kKeyPosInf = 0xFC00u, kKeyNaN = 0xFFFFu;
-  static constexpr uint32_t kNaNAbove = 0x7C00u;  // |bits| above this: NaN
-  __device__ __forceinline__ static uint32_t key(uint32_t r) {
-    const uint32_t k = r ^ ((r & 0x8000u) ? 0xFFFFu : 0x8000u);
-    return (r & 0x7FFFu) > kNaNAbove ? 0xFFFFu : k;
-  }
-  __device__ __forceinline__ static uint32_t raw(uint32_t k) { return k ^ ((k & 0x8000u) ? 0x8000u : 0xFFFFu); }
+struct Fmt<1> : Fmt16<0x7C00u> {  // fp16
   __device__ __forceinline__ static float to_float(uint32_t r) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(r)));
   }
@@ -75,6 +69,8 @@ struct Fmt<1> {  // fp16
     return ge_mask_pairs(v, __float2half2_rn(t));
   }
 };
+static_assert(Fmt<0>::kNegInf == 0xFF80u && Fmt<0>::kKeyNegInf == 0x007Fu && Fmt<0>::kKeyPosInf == 0xFF80u, "bf16");
+static_assert(Fmt<1>::kNegInf == 0xFC00u && Fmt<1>::kKeyNegInf == 0x03FFu && Fmt<1>::kKeyPosInf == 0xFC00u, "fp16");
 template <>
 struct Fmt<2> {  // fp32
   using Raw = uint32_t;
@@ -175,6 +171,30 @@ __device__ __forceinline__ void sort_desc(unsigned long long* a, int n) {
       }
       __syncthreads();
     }
+  }
+}
+
+// A row's last step, by its CTA (all NT threads): slots [K, k) get index -1 / value -inf;
+// sorted: the K (key, index) pairs in sel are sorted and written out, values read from
+// the row p.
+template <class F, int NT>
+__device__ __forceinline__ void finish_row(const Out<F>& o, unsigned long long* sel, const typename F::Raw* p,
+                                           int K, int k) {
+  const int tid = threadIdx.x;
+  Out<F> og = o;
+  og.sorted = false;
+  for (int pos = K + tid; pos < k; pos += NT) og.pad(pos);
+  if (!o.sorted) return;
+  __syncthreads();
+  if (K == 0) return;
+  int n = 1;
+  while (n < K) n <<= 1;
+  for (int i = K + tid; i < n; i += NT) sel[i] = 0ull;  // below every real pair
+  __syncthreads();
+  sort_desc<NT>(sel, n);
+  for (int i = tid; i < K; i += NT) {
+    const int e = static_cast<int>(static_cast<uint32_t>(sel[i]));
+    og.emit(i, e, og.values ? __ldg(p + e) : 0u, 0u);
   }
 }
 

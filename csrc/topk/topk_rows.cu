@@ -17,7 +17,6 @@
 // load ~1.5K, level 1 ~1.4K (8192 shared atomics; lanes of a warp collide on the few
 // dozen bins real data fills, yet per-lane private bins measured slower), the mask pass
 // ~0.7K (integer pipe, half rate), the later levels ~1.7K, scan and output ~2K.
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -296,27 +295,8 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
   };
   for (Mask m = A; m; m &= m - 1) put(gpos++, ctz(m));
   for (Mask m = C; m && qpos < krem; m &= m - 1) put(above + qpos++, ctz(m));
-  {
-    Out<F> og = o;
-    og.sorted = false;
-    for (int pos = K + tid; pos < P.k; pos += NT) og.pad(pos);
-  }
   ROWS_PROBE(6);
-  if (o.sorted) {
-    __syncthreads();
-    if (K == 0) return;
-    int n = 1;
-    while (n < K) n <<= 1;
-    for (int i = K + tid; i < n; i += NT) sel[i] = 0ull;  // below every real pair
-    __syncthreads();
-    sort_desc<NT>(sel, n);
-    Out<F> og = o;
-    og.sorted = false;
-    for (int i = tid; i < K; i += NT) {
-      const int e = static_cast<int>(static_cast<uint32_t>(sel[i]));
-      og.emit(i, e, og.values ? __ldg(p + e) : 0u, 0u);
-    }
-  }
+  finish_row<F, NT>(o, sel, p, K, P.k);
 }
 
 // Configurations (threads, vectors per thread) by row length in 16-byte vectors, up to
