@@ -80,6 +80,8 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(p.ctas_per_row, p.threads, p.smem_bytes, p.kernel);
       },
       "topk launch plan: (CTAs per row, threads per CTA, smem bytes per CTA, kernel: 0 general, 1 short rows)");
+  m.def("topk_set_margin", &deepfuse::topk_set_margin, py::arg("z"),
+        "testing hook: the general top-k kernel's threshold margin z for later calls (NaN: the policy)");
 
   // ---- kvcache (formats: deepfuse/engine/kv_format.py)
   m.def(

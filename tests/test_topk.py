@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from deepfuse import ops
+from deepfuse import _ext, ops
 T = importlib.import_module("deepfuse.ops.topk")  # the module (ops.topk is the function)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -423,6 +423,27 @@ def test_gpu_short_row_kernel(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_gpu_fallback_paths(dtype):
+    # The sampled threshold too high on most rows (a negative margin through the testing
+    # hook): with z = -1 the fallback's retry from the sample at z + 3 = 2 mostly succeeds,
+    # with z = -4 it mostly misses too and the row is streamed from 0. Clusters (G = 8, 2),
+    # one 512-thread CTA with and without per-warp segments, 256-thread CTAs (from 0 at once).
+    ext = _ext.ext(torch.device("cuda"))
+    cases = [(1, 131072, 1024), (16, 131072, 2048), (2, 40000, 512), (100, 100000, 50), (100, 50000, 512),
+             (300, 30000, 512), (1, 1_000_003, 4096)]
+    try:
+        for z in (-1.0, -4.0):
+            ext.topk_set_margin(z)
+            for j, (B, N, k) in enumerate(cases):
+                run_case(dtype, B, N, k, kind=("randn", "scores", "ties")[j % 3], use_lengths=j % 2 == 1,
+                         sorted_=j == 2, seed=j)
+    finally:
+        ext.topk_set_margin(float("nan"))
+    run_case(dtype, 16, 131072, 2048, seed=1)  # the policy again
+
+
+@pytest.mark.gpu
 def test_gpu_plans_cover_every_cluster_size():
     seen = set()
     for B, N in [(512, 8192), (1, 8192), (64, 32768), (32, 131072), (128, 131072), (1, 131072), (512, 131072),
@@ -588,6 +609,16 @@ def test_sanitize_small(dtype):
     run_case(dtype, 5, 8192, 512, kind="ties", use_lengths=True, sorted_=True, seed=9)
     run_case(dtype, 3, 8192, 4096, kind="special", use_lengths=True, seed=10)
     run_case(dtype, 4, 1000, 100, kind="randn", return_values=False, index_dtype=torch.int64, seed=11)
+    # the fallback's sampled retry and its stream from 0 (testing hook: the sampled threshold
+    # too high): a cluster, one CTA
+    ext = _ext.ext(torch.device("cuda"))
+    try:
+        for z in (-1.0, -4.0):
+            ext.topk_set_margin(z)
+            run_case(dtype, 2, 70000, 1000, kind="scores", use_lengths=True, seed=12)
+            run_case(dtype, 1, 30000, 700, kind="randn", seed=13)
+    finally:
+        ext.topk_set_margin(float("nan"))
 
 
 @pytest.mark.gpu

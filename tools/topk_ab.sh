@@ -5,7 +5,7 @@
 #   bash tools/topk_ab.sh build base
 #   bash tools/topk_ab.sh build nobar -DDEEPFUSE_TOPK_AB_NOBAR
 #   SRC=/path/to/other/checkout bash tools/topk_ab.sh build main
-# -> ab/probe_<name> (untracked; the device tool carries it). On the GPU machine:
+# -> ab/probe_<name> (git-ignored; carry ab/ with the device tool). On the GPU machine:
 #   bash tools/topk_ab.sh run base nobar main    -> per variant and shape: graph/cold us and
 #                                                   CTA 0's phase cycles (probe's header)
 # History of the variants tried: docs/notes/topk-perf.md.

@@ -47,6 +47,7 @@ int main(int argc, char** argv) {
     const int k = atoi(argv[3]);
     shapes = {{k < 0 ? 2 : 0, atoi(argv[1]), atoi(argv[2]), k < 0 ? -k : k}};
   }
+  if (getenv("PROBE_Z")) deepfuse::topk_set_margin(static_cast<float>(atof(getenv("PROBE_Z"))));  // margin z
   const int fill_mode = getenv("PROBE_FILL") ? atoi(getenv("PROBE_FILL")) : 0;  // 1 allsame 2 ramp 3 zeros
   void* flush;
   CK(cudaMalloc(&flush, 256 << 20));

@@ -37,7 +37,8 @@
 //            fills its own segment (no atomic), then the pool. Sampling long rows more
 //            finely keeps the candidates (the costly part of the loop) near K.
 //   fallback rank 0 alone, rare (512 threads: out of line): the buffer overflowed (thr
-//            far too low; keep thr) or fewer than K keys were above thr (restart from 0).
+//            far too low; keep thr) or fewer than K keys were above thr (512 threads:
+//            retry from the same sample at z + 3, then from 0; 256 threads: from 0).
 //            The whole row is streamed again with block-wide appends (a barrier per
 //            round); on overflow the CTA keeps the K largest buffered keys (select +
 //            in-place compaction) and raises thr.
@@ -58,6 +59,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cmath>
 #include <cstring>
 
 #include <algorithm>
@@ -674,7 +676,7 @@ struct Ctx {
     const float ks = __fdividef(static_cast<float>(kk) * static_cast<float>(ns), static_cast<float>(L));
     float sq;
     asm("sqrt.approx.f32 %0, %1;" : "=f"(sq) : "f"(ks));
-    const uint32_t r = static_cast<uint32_t>(ks + z * (sq + 2.f));  // z sigma + 2z above the K-th
+    const uint32_t r = static_cast<uint32_t>(fmaxf(ks + z * (sq + 2.f), 1.f));  // z sigma + 2z above the K-th
     find_bucket<NT>(sh, sh.hist[0], min(r, static_cast<uint32_t>(ns)));
     if (r >= static_cast<uint32_t>(ns)) return 0u;
     const uint32_t b1 = sh.res_bin, above = sh.res_above;
@@ -727,11 +729,13 @@ struct Ctx {
     // ns = L / 32 elements in [1024, 4096] (long rows: fewer candidates per element); P
     // per thread: ns / NT, at least 2, at most a vector
     const int ns = min(min(max(L / 32, 1024), 4096), NT * VEC);
-    // (clusters and 256-thread CTAs: a whole vector each, measured faster there)
-    const int P = kRing && G == 1 ? min(max(ns / NT, 2), VEC) : VEC;
+    // (clusters and 256-thread CTAs: a whole vector each, measured faster there; the
+    // fallback's retry too: the same samples, the same thr, less code there)
+    constexpr bool kSplit = kRing && !Robust;
+    const int P = kSplit && G == 1 ? min(max(ns / NT, 2), VEC) : VEC;
     uint4 sv = make_uint4(0u, 0u, 0u, 0u);
     if (sample) {
-      if constexpr (kRing) {
+      if constexpr (kSplit) {
         sv = P == 2 ? sample_load<2>(ns, L) : (P == 4 ? sample_load<4>(ns, L) : sample_load<VEC>(ns, L));
       } else {
         sv = sample_load<VEC>(ns, L);
@@ -750,7 +754,7 @@ struct Ctx {
     if (!sample) {
       set_thr(thr0);
     } else {
-      if constexpr (kRing) {
+      if constexpr (kSplit) {
         set_thr(P == 2 ? estimate<2>(sv, ns, L) : (P == 4 ? estimate<4>(sv, ns, L) : estimate<VEC>(sv, ns, L)));
       } else {
         set_thr(estimate<VEC>(sv, ns, L));
@@ -896,20 +900,30 @@ struct Refiltered {
   uint32_t g0;
 };
 
-// The fallback (rare; out of line: the fast path's code stays short): rank 0 alone
-// streams the whole row c from threshold t with block appends and compaction on
-// overflow, then selects; that select cannot fail.
+// The fallback (rare; out of line: the fast path's code stays short, one call site): rank 0
+// alone streams the whole row c with block appends and compaction on overflow, then
+// selects. After an overflow from thr (more than C keys are above it); else (fewer than K
+// keys were above thr) first from thr2, the same sample's threshold at margin z (z + 3:
+// the K-th key is below thr2 with P ~ 1 - 1e-9 where thr missed at ~1e-3; few candidates,
+// no compaction), and only if that misses too from 0. From thr or 0 the select cannot fail.
 template <int FMT, int NT, int U, bool Ring>
 __device__ __noinline__ Refiltered refilter(Shared& sh, uint32_t* craw, uint32_t* cidx, Part<Fmt<FMT>> c, uint32_t cap,
-                                            uint32_t kk, uint32_t t, int ph, uint4* ring, uint32_t g0, int L) {
+                                            uint32_t kk, uint32_t thr, bool overflow, float z, int ph, uint4* ring,
+                                            uint32_t g0, int L) {
   Ctx<FMT, NT, U, Ring> cx{sh, &sh, craw, cidx, craw, cidx, c, 1, cap, kk, 0u, 0.f, true, ph, 0u, 0u};
   cx.ring = ring;
   cx.g0 = g0;
-  cx.template stream<true>(false, t, L);
-  __syncthreads();
-  const uint32_t n = sh.cnt;
-  const Sel s = cx.select(Layout{0u, 0u, 0u, n}, cx.thr, sh.mx, kk);
-  return Refiltered{s, n, cx.ph, cx.g0};
+  cx.z = z;
+  for (int attempt = overflow ? 1 : 0;; ++attempt) {
+    if (attempt > 0) TOPK_PROBE(4, 4);
+    cx.cnt = 0;
+    cx.mx = 0;
+    cx.template stream<true>(attempt == 0, overflow ? thr : 0u, L);
+    __syncthreads();
+    const uint32_t n = sh.cnt;
+    const Sel s = cx.select(Layout{0u, 0u, 0u, n}, cx.thr, sh.mx, kk);
+    if (s.ok || attempt > 0) return Refiltered{s, n, cx.ph, cx.g0};
+  }
 }
 
 template <int FMT, int NT, int U, bool Ring>
@@ -1016,13 +1030,14 @@ __device__ __forceinline__ void topk_row(const Params& P, int64_t row, int rank,
     if (!overflow) s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk));
     TOPK_PROBE(3, clock64());
     if (!s.ok) {
-      // Rare: the cluster's buffer overflowed (keep thr: more than C keys are above it) or
-      // fewer than K keys are above thr (start from 0). Rank 0 streams the whole row with
-      // compaction on overflow; that select cannot fail.
+      // Rare: the cluster's buffer overflowed or fewer than K keys were above thr (see
+      // refilter). 256 threads (B > #SMs; inline): from thr after an overflow, else from 0 at
+      // once (with the sampled retry inline ptxas reported 1.7x the spill loads there).
       TOPK_PROBE(4, 2);
       const uint32_t t = overflow ? cx.thr : 0u;
       if constexpr (NT == kBig) {  // out of line (measured: faster with 512 threads, slower with 256)
-        const Refiltered rf = refilter<FMT, NT, U, Ring>(sh, craw, cidx, part(0, 1), cx.cap, cx.kk, t, cx.ph, ring, cx.g0, L);
+        const Refiltered rf = refilter<FMT, NT, U, Ring>(sh, craw, cidx, part(0, 1), cx.cap, cx.kk, cx.thr, overflow,
+                                                         P.z + 3.f, cx.ph, ring, cx.g0, L);
         s = rf.s;
         cx.ph = rf.ph;
         cx.g0 = rf.g0;
@@ -1164,7 +1179,11 @@ int buffer_entries(int64_t B, int k, int nt, bool sorted) {
   return std::max(fit, k <= 512 ? 4096 : 2 * k + 3072);
 }
 
+float g_margin = NAN;  // topk_set_margin
+
 }  // namespace
+
+void topk_set_margin(float z) { g_margin = z; }
 
 TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, bool aligned) {
   if (aligned && topk_rows_fits(dtype, B, N)) return topk_rows_plan(dtype, B, N, k, sorted);
@@ -1211,6 +1230,7 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
   // normal tail of z sigma. z grows with B so that a call meets it with <= ~3% chance
   // (tails 1.3e-3, 2.3e-4, 3.2e-5, 3.4e-6); a larger z costs candidates on every row.
   P.z = B <= 16 ? 3.f : (B <= 128 ? 3.5f : (B <= 1024 ? 4.f : 4.5f));
+  if (!std::isnan(g_margin)) P.z = g_margin;
   set_smem_attributes();
   switch (dtype) {
     case TopkDtype::kBf16: launch<0>(P, plan.threads, plan.smem_bytes, stream); break;

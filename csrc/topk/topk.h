@@ -31,6 +31,11 @@ struct TopkPlan {
 };
 TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, bool aligned = true);
 
+// Testing hook: overrides the general kernel's threshold margin z (standard deviations; see
+// topk.cu) for later calls in this process; NaN restores the policy. A negative z sends most
+// rows of sampled shapes through the fallback (see refilter in topk.cu).
+void topk_set_margin(float z);
+
 // Short rows (topk_rows.cu), used by topk(): whether a shape fits when rows are aligned,
 // its plan, the launch (same contract as topk()), and the one-time kernel attributes.
 bool topk_rows_fits(TopkDtype dtype, int64_t B, int64_t N);
