@@ -11,8 +11,10 @@ per second of a large device copy, measured in this run). `target` is the issue'
 goal for the cell and `ok` whether the speedup meets it; `target_us` the time that goal
 asks for (torch_us / target); `bw_aim` (B >= 64) whether the input bandwidth reaches the
 issue's aim of 50% of the copy ceiling. `copy_us`: a copy of x's bytes (read + written,
-timed the same way): one launch and one pass over the input, a floor no top-k call can beat
-(a top-k also waits for the whole row before it decides); `x_copy` = us / copy_us.
+timed the same way), `x_copy` = us / copy_us. Small shapes are launch and latency bound:
+there the copy (one launch, one pass) is a floor for any kernel that reads x, and a top-k
+also waits for its whole row before it decides. Large shapes are bandwidth bound: the copy
+moves twice the bytes a top-k reads, so a top-k can take less (x_copy < 1).
 """
 from __future__ import annotations
 
