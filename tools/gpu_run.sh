@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one run on the GPU machine: install the carried wheel, GPU tests,
-# compute-sanitizer (memcheck, racecheck, synccheck) over the `sanitize` tests, microbenchmarks.
+# compute-sanitizer (memcheck, racecheck, synccheck) over the `sanitize` tests, microbenchmarks,
+# the top-k stress and tail runs and the decode loop.
 #   usage (device tool, from the repo root, carrying wheelhouse/):
-#     bash tools/gpu_run.sh [stages...]      stages: info tests sanitize bench (default: all)
+#     bash tools/gpu_run.sh [stages...]      stages: info tests sanitize bench (default: these
+#                                            four), stress, tail, decode
 #   env: OUT (results folder; default ./gpu-out), BENCH_ARGS (e.g. "--quick --only cast"),
-#        KSEL (pytest -k expression, e.g. "cast or topk")
+#        KSEL (pytest -k expression, e.g. "cast or topk"), STRESS_S (default 30),
+#        TAIL_ARGS (e.g. "--draws 1500")
 # Logs go to $OUT/*.log; JSON + PNG results are packed into $OUT/results.tgz.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,6 +44,12 @@ for s in $stages; do
       done ;;
     bench)
       run bench 540 python3 -m microbench.run --out /tmp/deepfuse-res ${BENCH_ARGS:-} ;;
+    stress)
+      run stress $((${STRESS_S:-30} + 60)) python3 tests/stress_topk.py --seconds "${STRESS_S:-30}" ;;
+    tail)
+      run tail 300 python3 tools/topk_tail.py ${TAIL_ARGS:-} ;;
+    decode)
+      run decode 300 python3 -m deepfuse ;;
   esac
 done
 tar -C /tmp/deepfuse-res -czf "$OUT/results.tgz" . 2>/dev/null
