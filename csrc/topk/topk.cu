@@ -143,13 +143,9 @@ struct Layout {
   uint32_t S, nseg, pool0, pooln;
 };
 
-struct Params {
-  const void* x;
-  int64_t ld, B;
-  const int32_t* lengths;
-  void* values;
-  void* indices;
-  int N, k, G, C, idx64, sorted;
+struct Params : TopkArgs {
+  int64_t B;
+  int G, C;
   float z;  // threshold margin in standard deviations of the sampled count (see topk)
 };
 
@@ -1206,26 +1202,19 @@ void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int 
   const int64_t esize = dtype == TopkDtype::kF32 ? 4 : 2;
   const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && (ld * esize) % 16 == 0;
   const TopkPlan plan = topk_plan(dtype, B, N, k, sorted, aligned);
+  const TopkArgs args{x, ld, lengths, values, indices, static_cast<int>(N), k, idx64, sorted};
   if (plan.kernel == 1) {
     set_smem_attributes();
-    topk_rows(x, dtype, B, N, ld, k, lengths, values, indices, idx64, sorted, stream);
+    topk_rows(args, dtype, B, stream);
     return;
   }
   if (B * plan.ctas_per_row >= (int64_t{1} << 31)) throw std::runtime_error("deepfuse: topk: too many rows");
   Params P;
-  P.x = x;
-  P.ld = ld;
+  static_cast<TopkArgs&>(P) = args;
   P.B = B;
-  P.lengths = lengths;
-  P.values = values;
-  P.indices = indices;
-  P.N = static_cast<int>(N);
-  P.k = k;
   P.G = plan.ctas_per_row;
   P.C = buffer_entries(B, k, plan.threads, sorted);
   if (P.C - k < plan.threads * 8) throw std::runtime_error("deepfuse: topk: buffer too small for the plan");
-  P.idx64 = idx64;
-  P.sorted = sorted;
   // A row re-streams (about 2x its time) when its sample puts thr above its K-th key: a
   // normal tail of z sigma. z grows with B so that a call meets it with <= ~3% chance
   // (tails 1.3e-3, 2.3e-4, 3.2e-5, 3.4e-6); a larger z costs candidates on every row.

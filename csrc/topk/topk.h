@@ -36,12 +36,22 @@ TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, bo
 // rows of sampled shapes through the fallback (see refilter in topk.cu).
 void topk_set_margin(float z);
 
+// topk()'s arguments as the kernels take them: the short-row kernel's parameters, extended
+// by the general kernel's (topk.cu's Params).
+struct TopkArgs {
+  const void* x;
+  int64_t ld;
+  const int32_t* lengths;
+  void* values;
+  void* indices;
+  int N, k, idx64, sorted;
+};
+
 // Short rows (topk_rows.cu), used by topk(): whether a shape fits when rows are aligned,
 // its plan, the launch (same contract as topk()), and the one-time kernel attributes.
 bool topk_rows_fits(TopkDtype dtype, int64_t B, int64_t N);
 TopkPlan topk_rows_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted);
-void topk_rows(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int k, const int32_t* lengths,
-               void* values, void* indices, bool idx64, bool sorted, cudaStream_t stream);
+void topk_rows(const TopkArgs& a, TopkDtype dtype, int64_t B, cudaStream_t stream);
 void topk_rows_set_attributes();
 
 }  // namespace deepfuse

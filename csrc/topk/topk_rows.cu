@@ -39,15 +39,6 @@ __device__ unsigned long long g_topk_rows_probe[4096][16];
 #define ROWS_PROBE(i) do {} while (0)
 #endif
 
-struct RowsParams {
-  const void* x;
-  int64_t ld;
-  const int32_t* lengths;
-  void* values;
-  void* indices;
-  int N, k, idx64, sorted;
-};
-
 struct __align__(16) RowsShared {
   uint32_t h[2][kRowBins];  // level histograms (zeroed at start; fp32 level 3 reuses h[0])
   uint32_t wsum[32];        // per-warp sums of a block scan
@@ -146,7 +137,7 @@ __device__ __forceinline__ uint4 keep_first(const uint4& v, int n) {
 __device__ __forceinline__ int ctz(uint32_t m) { return __ffs(static_cast<int>(m)) - 1; }
 
 template <int FMT, int NT, int V>
-__global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const RowsParams P) {
+__global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const TopkArgs P) {
   using F = Fmt<FMT>;
   using Raw = typename F::Raw;
   constexpr int VEC = 16 / sizeof(Raw);
@@ -341,7 +332,7 @@ void rows_attrs() {
 }
 
 template <int FMT>
-void rows_launch(const RowsParams& P, int64_t B, int cfg, int smem, cudaStream_t stream) {
+void rows_launch(const TopkArgs& P, int64_t B, int cfg, int smem, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(B)), block(static_cast<unsigned>(kRowsCfg[cfg].nt));
   switch (cfg) {
     case 0: topk_rows_kernel<FMT, 512, 1><<<grid, block, smem, stream>>>(P); break;
@@ -381,25 +372,14 @@ void topk_rows_set_attributes() {
   rows_attrs<2>();
 }
 
-void topk_rows(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int k, const int32_t* lengths,
-               void* values, void* indices, bool idx64, bool sorted, cudaStream_t stream) {
-  RowsParams P;
-  P.x = x;
-  P.ld = ld;
-  P.lengths = lengths;
-  P.values = values;
-  P.indices = indices;
-  P.N = static_cast<int>(N);
-  P.k = k;
-  P.idx64 = idx64;
-  P.sorted = sorted;
+void topk_rows(const TopkArgs& a, TopkDtype dtype, int64_t B, cudaStream_t stream) {
   const int64_t vec = dtype == TopkDtype::kF32 ? 4 : 8;
-  const int cfg = rows_cfg(B, N / vec);
-  const int smem = rows_smem(k, sorted);
+  const int cfg = rows_cfg(B, a.N / vec);
+  const int smem = rows_smem(a.k, a.sorted != 0);
   switch (dtype) {
-    case TopkDtype::kBf16: rows_launch<0>(P, B, cfg, smem, stream); break;
-    case TopkDtype::kF16: rows_launch<1>(P, B, cfg, smem, stream); break;
-    default: rows_launch<2>(P, B, cfg, smem, stream); break;
+    case TopkDtype::kBf16: rows_launch<0>(a, B, cfg, smem, stream); break;
+    case TopkDtype::kF16: rows_launch<1>(a, B, cfg, smem, stream); break;
+    default: rows_launch<2>(a, B, cfg, smem, stream); break;
   }
 }
 
