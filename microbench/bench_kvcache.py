@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from deepfuse import ops
-from deepfuse.engine import kv_format as F
+from deepfuse import kv_format as F
 from deepfuse.ops import kvcache as K
 from microbench import harness as H
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepfuse import ops
-from deepfuse.engine import kv_format as F
+from deepfuse import kv_format as F
 from deepfuse.ops import cast as C
 from deepfuse.ops import kvcache as K
 

@@ -21,7 +21,7 @@ from deepfuse.ops.kvcache import (
     window_restore,
 )
 
-from deepfuse.ops.attention import sparse_attention
+from deepfuse.ops.attention import sparse_attention, sparse_attention_paged
 from deepfuse.ops.compressor import compress_pool
 from deepfuse.ops.indexer import indexer_scores
 from deepfuse.ops.linear import grouped_linear, mxfp4_cast, mxfp4_dequant, quant_linear
@@ -54,6 +54,7 @@ __all__ = [
     "hc_post",
     "hc_head",
     "sparse_attention",
+    "sparse_attention_paged",
     "indexer_scores",
     "compress_pool",
     "quant_linear",

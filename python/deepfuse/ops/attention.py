@@ -12,9 +12,12 @@ q: [B, S, H, D], kv: [B, N, D], indices: [B, S, K] int32/int64 in [-1, N), sink:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from deepfuse.ops._checks import check_tensor
+from deepfuse import kv_format as _KVF
+from deepfuse.ops._checks import check_choice, check_int, check_tensor
 from deepfuse.ops._registry import op
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,3 +73,173 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, s
         raise ValueError(f"deepfuse: {op}: indices must have shape [{B}, {S}, K], got {list(indices.shape)}")
     check_tensor(op, "sink", sink, dtypes=(torch.float32,), shape=(H,), device=q.device)
     return torch.ops.deepfuse.sparse_attention(q, kv, indices, sink, float(scale))
+
+
+# ----------------------------------------------------------------------------- paged sources
+# sparse_attention_paged: the same attention reading paged KV caches (kv_format.py) directly.
+#
+# Each query row t (T rows, e.g. one per token of a flat engine batch) names its keys by slot
+# ids (page * page_size + row) into up to two sources: `kv` (the window: ring pages) with
+# indices [T, K1], and `extra_kv` (compressed rows) with extra_indices [T, K2]. Only
+# indices[t, :lengths[t]] count (lengths None: all K); slot -1 (any negative) is skipped;
+# duplicates count twice. A source is FP8 uint8 [P, page_size * 584] (KV_ROW_BYTES rows, the
+# serving format; D = 512) or dense float [P, page_size, D] (bf16 on the GPU; the CPU path
+# also takes fp32 / fp16 and any D, for the engine's lossless "auto" caches). Keys are the
+# dequantised rows (fp32 math). Softmax over the keys of both sources with the sink in the
+# denominator only; lse [T, H] fp32 = log sum_j exp(l_j) over the keys (no sink; -inf for a
+# row without keys, whose output is 0). inv_rope = (cos, sin) [T, R/2] fp32 applies the
+# inverse RoPE to the last R dims of o (ops.rope's convention) before the output cast.
+# out_format "bf16": o in q's dtype [T, H, D]; "mxfp8": mxfp8_cast(o as [T, H * D]) computed
+# from the fp32 result -> (e4m3 [T, H * D], UE8M0 uint8 [T, H * D / 32]).
+_OUT_FORMATS = ("bf16", "mxfp8")
+
+
+def _source_rows(src: torch.Tensor, page_size: int, slots: torch.Tensor, D: int) -> torch.Tensor:
+    """fp32 rows [*slots.shape, D] of a paged source (slots already clamped to valid)."""
+    flat = slots.reshape(-1)
+    if src.dtype == torch.uint8:
+        from deepfuse.ops.kvcache import kv_dequantise_rows
+
+        pages = src.view(src.shape[0], -1)
+        page, row = flat // page_size, flat % page_size
+        data = pages[:, :page_size * _KVF.KV_DATA_BYTES].view(src.shape[0], page_size, _KVF.KV_DATA_BYTES)
+        scales = pages[:, page_size * _KVF.KV_DATA_BYTES:page_size * _KVF.KV_ROW_BYTES].view(
+            src.shape[0], page_size, _KVF.KV_SCALE_BYTES)
+        rows = kv_dequantise_rows(data[page, row], scales[page, row]).float()
+    else:
+        rows = src.reshape(-1, D)[flat].float()
+    return rows.view(*slots.shape, D)
+
+
+def sparse_attention_paged_ref(q, kv, kv_page_size: int, indices, sink, scale: float, lengths, extra_kv,
+                               extra_page_size: int, extra_indices, extra_lengths, cos, sin, out_format: str):
+    T, H, D = q.shape
+    srcs = [(kv, kv_page_size, indices, lengths)]
+    if extra_kv is not None:
+        srcs.append((extra_kv, extra_page_size, extra_indices, extra_lengths))
+    K = sum(s[2].shape[1] for s in srcs)
+    o = torch.zeros(T, H, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    sinkf = sink.float().view(1, H)
+    chunk = max(1, (1 << 24) // max(1, K * (D + H)))
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        rows, valid = [], []
+        for src, ps, idx, lens in srcs:
+            ix = idx[t0:t1].long()
+            ok = ix >= 0
+            if lens is not None:
+                ok &= torch.arange(ix.shape[1], device=ix.device) < lens[t0:t1].long().unsqueeze(1)
+            rows.append(_source_rows(src, ps, torch.where(ok, ix, 0), D))
+            valid.append(ok)
+        r, v = torch.cat(rows, 1), torch.cat(valid, 1)  # [t, K, D], [t, K]
+        logits = torch.einsum("thd,tkd->thk", q[t0:t1].float(), r) * scale
+        logits = logits.masked_fill(~v.unsqueeze(1), float("-inf"))
+        m = torch.maximum(logits.amax(-1), sinkf)
+        p = torch.exp(logits - m.unsqueeze(-1))
+        s = p.sum(-1)
+        o[t0:t1] = torch.einsum("thk,tkd->thd", p / (s + torch.exp(sinkf - m)).unsqueeze(-1), r)
+        lse[t0:t1] = torch.where(s > 0, torch.log(s) + m, torch.full_like(s, float("-inf")))
+    if cos is not None:
+        from deepfuse.ops.rope import rope_ref
+
+        o = rope_ref(o, cos, sin, True)
+    if out_format == "mxfp8":
+        from deepfuse.ops.cast import mxfp8_cast
+
+        q8, s8 = mxfp8_cast(o.reshape(T, H * D))
+        return q8, s8, lse
+    return o.to(q.dtype), o.new_empty(0, dtype=torch.uint8), lse
+
+
+@op("sparse_attention_paged",
+    "(Tensor q, Tensor kv, int kv_page_size, Tensor indices, Tensor sink, float scale, Tensor? lengths, "
+    "Tensor? extra_kv, int extra_page_size, Tensor? extra_indices, Tensor? extra_lengths, Tensor? cos, "
+    "Tensor? sin, str out_format) -> (Tensor, Tensor, Tensor)")
+def _sparse_attention_paged(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_size,
+                            extra_indices, extra_lengths, cos, sin, out_format):
+    return sparse_attention_paged_ref(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv,
+                                      extra_page_size, extra_indices, extra_lengths, cos, sin, out_format)
+
+
+@_sparse_attention_paged.register_fake
+def _(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_size, extra_indices,
+      extra_lengths, cos, sin, out_format):
+    T, H, D = q.shape
+    lse = q.new_empty(T, H, dtype=torch.float32)
+    if out_format == "mxfp8":
+        return (q.new_empty(T, H * D, dtype=torch.float8_e4m3fn), q.new_empty(T, H * D // 32, dtype=torch.uint8), lse)
+    return torch.empty_like(q), q.new_empty(0, dtype=torch.uint8), lse
+
+
+def _check_source(op: str, name: str, src, ps, idx, lens, iname: str, lname: str, T: int, D: int, device) -> None:
+    check_tensor(op, name, src, device=device)
+    check_int(op, f"{name} page_size", ps, lo=1)
+    if src.dtype == torch.uint8:
+        if D != _KVF.KV_DIM:
+            raise ValueError(f"deepfuse: {op}: an FP8 {name} holds {_KVF.KV_DIM}-dim rows, q has D = {D}")
+        if src.dim() != 2 or src.shape[1] != ps * _KVF.KV_ROW_BYTES:
+            raise ValueError(f"deepfuse: {op}: FP8 {name} must be uint8 [num_pages, {ps} * {_KVF.KV_ROW_BYTES}], "
+                             f"got {list(src.shape)}")
+        if ps % _KVF.PAGE_ALIGN_ROWS:
+            raise ValueError(f"deepfuse: {op}: {name} page_size must be a multiple of 16 for FP8 pages, got {ps}")
+    elif src.dtype in _FLOATS:
+        if src.dim() != 3 or src.shape[1] != ps or src.shape[2] != D:
+            raise ValueError(f"deepfuse: {op}: {name} must be [num_pages, {ps}, {D}], got {list(src.shape)}")
+    else:
+        raise TypeError(f"deepfuse: {op}: {name} must be uint8 (FP8 pages) or a float dtype, got {src.dtype}")
+    if not src.is_contiguous():
+        raise ValueError(f"deepfuse: {op}: {name} must be contiguous")
+    check_tensor(op, iname, idx, dtypes=(torch.int32, torch.int64), ndim=2, device=device, contiguous=True)
+    if idx.shape[0] != T:
+        raise ValueError(f"deepfuse: {op}: {iname} must be [{T}, K], got {list(idx.shape)}")
+    if lens is not None:
+        check_tensor(op, lname, lens, dtypes=(torch.int32, torch.int64), shape=(T,), device=device, contiguous=True)
+    if device.type == "cpu" and idx.numel():  # the kernel cannot look without a host sync; it skips
+        n = src.shape[0] * ps
+        ok = idx < 0
+        if lens is not None:
+            ok |= torch.arange(idx.shape[1]) >= lens.long().unsqueeze(1)
+        bad = ~ok & (idx >= n)
+        if bool(bad.any()):
+            raise ValueError(f"deepfuse: {op}: {iname} has slots >= {n} (the {name} cache's {src.shape[0]} pages "
+                             f"x {ps} rows), e.g. {int(idx[bad][0])}")
+
+
+def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, kv_page_size: int, indices: torch.Tensor,
+                           sink: torch.Tensor, scale: float, *, lengths: Optional[torch.Tensor] = None,
+                           extra_kv: Optional[torch.Tensor] = None, extra_page_size: int = 0,
+                           extra_indices: Optional[torch.Tensor] = None, extra_lengths: Optional[torch.Tensor] = None,
+                           inv_rope=None, out_format: str = "bf16", plan=None):
+    """Attention of q [T, H, D] over paged KV slots (see the section doc above).
+
+    -> (out, lse): out [T, H, D] in q's dtype ("bf16") or (e4m3 [T, H * D], UE8M0 [T, H * D / 32])
+    ("mxfp8"); lse [T, H] fp32. `plan` is optional per-step scheduling metadata (ignored by the
+    reference)."""
+    op = "sparse_attention_paged"
+    check_tensor(op, "q", q, dtypes=_FLOATS, ndim=3)
+    T, H, D = q.shape
+    dev = q.device
+    check_choice(op, "out_format", out_format, _OUT_FORMATS)
+    _check_source(op, "kv", kv, kv_page_size, indices, lengths, "indices", "lengths", T, D, dev)
+    if extra_kv is not None:
+        if extra_indices is None:
+            raise ValueError(f"deepfuse: {op}: extra_kv needs extra_indices")
+        _check_source(op, "extra_kv", extra_kv, extra_page_size, extra_indices, extra_lengths, "extra_indices",
+                      "extra_lengths", T, D, dev)
+    elif extra_indices is not None or extra_lengths is not None:
+        raise ValueError(f"deepfuse: {op}: extra_indices / extra_lengths given without extra_kv")
+    check_tensor(op, "sink", sink, dtypes=(torch.float32,), shape=(H,), device=dev)
+    cos = sin = None
+    if inv_rope is not None:
+        cos, sin = inv_rope
+        check_tensor(op, "inv_rope cos", cos, dtypes=(torch.float32,), ndim=2, device=dev)
+        check_tensor(op, "inv_rope sin", sin, dtypes=(torch.float32,), shape=tuple(cos.shape), device=dev)
+        if cos.shape[0] != T or 2 * cos.shape[1] > D:
+            raise ValueError(f"deepfuse: {op}: inv_rope tables must be [{T}, R/2] with R <= {D}, got {list(cos.shape)}")
+    if out_format == "mxfp8" and (H * D) % 32:
+        raise ValueError(f"deepfuse: {op}: mxfp8 output needs H * D % 32 == 0, got {H * D}")
+    q8, s8, lse = torch.ops.deepfuse.sparse_attention_paged(
+        q, kv, int(kv_page_size), indices, sink, float(scale), lengths, extra_kv, int(extra_page_size),
+        extra_indices, extra_lengths, cos, sin, out_format)
+    return ((q8, s8) if out_format == "mxfp8" else q8), lse

@@ -1,6 +1,6 @@
 """V4 KV cache ops: fill paged caches and sliding-window rings, gather and move window rows.
 
-Formats (byte layouts, alignment, addressing): deepfuse/engine/kv_format.py.
+Formats (byte layouts, alignment, addressing): deepfuse/kv_format.py.
 
 Semantics (the references below define them; the CUDA kernels match them bit for bit):
 - KV rows are bf16 [.., 512] with RoPE already applied to values 448..511. FP8 rows: per
@@ -29,8 +29,8 @@ from typing import Optional, Union
 import torch
 
 from deepfuse import _ext
-from deepfuse.engine import kv_format as F
-from deepfuse.engine.kv_format import IndexerKeyPages, KVPages, SwaRing
+from deepfuse import kv_format as F
+from deepfuse.kv_format import IndexerKeyPages, KVPages, SwaRing
 from deepfuse.ops import cast as C
 from deepfuse.ops._checks import check_choice, check_int, check_tensor
 from deepfuse.ops._registry import op
