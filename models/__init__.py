@@ -3,14 +3,12 @@
     from deepfuse import models
     model = models.load("/path/to/DeepSeek-V4-Flash", device="cuda", dtype=torch.bfloat16)
     logits = model(input_ids)                      # [B, T, vocab] fp32, one full forward
-    cache = model.new_cache(B); model(prompt, cache); model(next_token, cache)   # decode
+    # incremental decoding, batching and sampling: deepfuse.engine.LLM(model)
     model = models.tiny.load()                     # small random checkpoint, built on first use
 """
 from . import tiny
-from .cache import CompressorState, DenseLayerCache, LayerCache, ModelCache
 from .config import ConfigError, RopeParams, V4Config
 from .loader import CheckpointError, load
 from .model import V4Model
 
-__all__ = ["load", "tiny", "V4Config", "V4Model", "RopeParams", "ConfigError", "CheckpointError",
-           "LayerCache", "DenseLayerCache", "ModelCache", "CompressorState"]
+__all__ = ["load", "tiny", "V4Config", "V4Model", "RopeParams", "ConfigError", "CheckpointError"]

@@ -14,17 +14,21 @@ Differences from DeepSeek's reference code, where we follow the oracle: the refe
 the window kv's non-RoPE dims (and the compressed rows) through FP8 per 64 values to mimic
 its quantisation-aware training and keeps a bf16 KV cache; the oracle (and this graph) keep
 them unrounded. The FP8 serving cache of the engine is a later, separate choice.
+
+forward() is the full forward of [B, T] sequences from position 0 (no cache); step() is one
+engine step over a flat token batch with the engine's paged caches (engine/context.py says
+where each row lives): this step's window rows go to scratch slots, the compressors add the
+rows of the blocks the step completes, the indexer picks CSA rows, then one
+ops.sparse_attention_paged call reads the window and the compressed rows with the inverse
+RoPE applied to its output; the last window rows of each request go to its ring after it.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from deepfuse import ops
 
-from .cache import LayerCache
 from .compressor import Compressor
 from .config import CSA, SWA, V4Config
 from .indexer import Indexer
@@ -55,49 +59,63 @@ class Attention(nn.Module):
     def rope_kind(self) -> str:
         return "main" if self.layer_type == SWA else "compress"
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, p0: int, rope: RopeTable,
-                cache: Optional[LayerCache] = None) -> torch.Tensor:
-        """x [B, T, d] (already attn_norm-ed) at positions p0 .. p0+T-1 -> [B, T, d]."""
-        B, T, _ = x.shape
-        H, D, W, eps = self.n_heads, self.head_dim, self.window, self.cfg.rms_norm_eps
-        cos, sin = rope(positions)
-        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
-
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        H, D, eps = self.n_heads, self.head_dim, self.cfg.rms_norm_eps
         qr = self.q_norm(self.wq_a(x))
         q = ops.rms_norm(self.wq_b(qr).unflatten(-1, (H, D)), None, eps)
         q = ops.rope(q, cos, sin)
         kv = ops.rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return qr, q, kv
 
-        # window rows: [previous rows of the cache | this step's rows]
-        prev = cache.window() if cache is not None else None
-        P = 0 if prev is None else prev.shape[1]
-        rows = kv if prev is None else torch.cat([prev, kv], dim=1)
-        if cache is not None:
-            cache.append_window(kv)
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        G, H, D = self.cfg.o_groups, self.n_heads, self.head_dim
+        o = ops.grouped_linear(o.reshape(*o.shape[:-2], G, H * D // G), self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt)
+        return self.wo_b(o.flatten(-2))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """x [B, T, d] (already attn_norm-ed) at positions 0 .. T-1 -> [B, T, d]."""
+        B, T, _ = x.shape
+        D, W = self.head_dim, self.window
+        cos, sin = rope(positions)
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+        qr, q, rows = self._qkv(x, cos, sin)
         t = torch.arange(T, device=x.device).unsqueeze(1)
         w = torch.arange(W, device=x.device).unsqueeze(0)
-        win = t + P - W + 1 + w  # row of position p - W + 1 + w
+        win = t - W + 1 + w  # row of position p - W + 1 + w
         idx = torch.where(win >= 0, win, torch.full_like(win, -1)).unsqueeze(0).expand(B, -1, -1)
-
         if self.compressor is not None:
-            comp = self.compressor.cached(x, p0, cache, "attn", rope)
-            C = 0 if comp is None else comp.shape[1]
+            comp = self.compressor(x, rope)
+            C = comp.shape[1]
+            sel = self.indexer(x, qr, positions, rope) if self.indexer is not None else None
             if C:
-                off = rows.shape[1]
-                if self.indexer is not None:
-                    sel = self.indexer(x, qr, positions, p0, cache, rope)
-                    sel = torch.where(sel >= 0, sel + off, sel)
-                else:
+                if sel is None:
                     i = torch.arange(C, device=x.device).unsqueeze(0)
                     vis = i < ((positions + 1) // self.ratio).unsqueeze(1)
-                    sel = torch.where(vis, i + off, torch.full_like(i, -1)).unsqueeze(0).expand(B, -1, -1)
+                    sel = torch.where(vis, i, torch.full_like(i, -1)).unsqueeze(0).expand(B, -1, -1)
                 rows = torch.cat([rows, comp], dim=1)
-                idx = torch.cat([idx, sel], dim=-1)
-            elif self.indexer is not None:
-                self.indexer(x, qr, positions, p0, cache, rope)  # advances the indexer's compressor
-
+                idx = torch.cat([idx, torch.where(sel >= 0, sel + T, sel)], dim=-1)
         o = ops.sparse_attention(q, rows, idx, self.attn_sink, D ** -0.5)
-        o = ops.rope(o, cos, sin, inverse=True)
-        G = self.cfg.o_groups
-        o = ops.grouped_linear(o.reshape(B, T, G, H * D // G), self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt)
-        return self.wo_b(o.flatten(2))
+        return self._out(ops.rope(o, cos, sin, inverse=True))
+
+    def step(self, x: torch.Tensor, ctx, cache, rope: RopeTable) -> torch.Tensor:
+        """One engine step: x [N, d] (attn_norm-ed) of the flat batch -> [N, d]."""
+        cos, sin = ctx.rope(self.rope_kind, rope)
+        qr, q, kv = self._qkv(x, cos, sin)
+        win = ctx.window
+        cache.store_window(kv, win.scratch_slots)
+        extra = {}
+        if self.compressor is not None:
+            plan = ctx.plans[(self.ratio, self.indexer is not None)]
+            self.compressor.step(x, plan, cache, "attn", rope)
+            if self.indexer is not None:
+                sel = self.indexer.step(x, qr, ctx, plan, cache, rope)
+                if sel is not None:
+                    extra = dict(extra_indices=sel.contiguous())
+            elif plan.max_entries:
+                extra = dict(extra_indices=plan.entry_slots[ctx.token_req].contiguous(), extra_lengths=plan.n_vis)
+            if extra:
+                extra.update(extra_kv=cache.comp, extra_page_size=cache.page_size)
+        o, _ = ops.sparse_attention_paged(q, cache.ring, cache.ring_page_size, win.win_idx, self.attn_sink,
+                                          self.head_dim ** -0.5, inv_rope=(cos, sin), **extra)
+        cache.store_window(kv, win.ring_slots)
+        return self._out(o)

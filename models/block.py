@@ -10,7 +10,6 @@ import torch.nn as nn
 
 from . import mhc
 from .attention import Attention
-from .cache import LayerCache
 from .config import V4Config
 from .moe import MoE
 from .norm import RMSNorm
@@ -28,11 +27,15 @@ class Block(nn.Module):
         mhc.add_mix_slots(self, "attn", cfg)
         mhc.add_mix_slots(self, "ffn", cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, p0: int, ropes: dict[str, RopeTable],
-                input_ids: Optional[torch.Tensor], cache: Optional[LayerCache] = None) -> torch.Tensor:
-        """Streams x [B, T, hc, d] -> [B, T, hc, d]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ropes: dict[str, RopeTable],
+                input_ids: Optional[torch.Tensor], ctx=None, cache=None) -> torch.Tensor:
+        """Streams x [B, T, hc, d] -> [B, T, hc, d]. Without ctx: the full forward of sequences
+        from position 0; with the engine's step context and this layer's cache view: one flat
+        step (B = 1, T = the step's tokens)."""
         h, post, comb = mhc.pre(self, "attn", x, self.cfg)
-        h = self.attn(self.attn_norm(h), positions, p0, ropes[self.attn.rope_kind], cache)
+        h = self.attn_norm(h)
+        rope = ropes[self.attn.rope_kind]
+        h = self.attn(h, positions, rope) if ctx is None else self.attn.step(h[0], ctx, cache, rope)[None]
         x = mhc.post(h, x, post, comb)
         h, post, comb = mhc.pre(self, "ffn", x, self.cfg)
         h = self.ffn(self.ffn_norm(h), input_ids)

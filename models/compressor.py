@@ -9,17 +9,19 @@ weight) and compress RoPE at position i r. Official names: wkv, wgate, ape, norm
 DeepSeek's reference runs the projections and pooling in fp32 (fp32 wkv / wgate); the
 transformers oracle, which we follow, runs them in the model dtype with an fp32 softmax
 (identical in fp32).
+
+forward() compresses a whole sequence from position 0 (the full forward); step() does one
+engine step over a flat batch: it pools the blocks the step completes from the request's
+state ring (positions before the step) and this step's projections, stores the new rows in
+the cache and keeps each request's last R projections in its state ring (plan: engine/context.py).
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from deepfuse import ops
 
-from .cache import CompressorState, LayerCache
 from .config import V4Config
 from .linear import Linear, add_slot
 from .norm import RMSNorm
@@ -36,41 +38,16 @@ class Compressor(nn.Module):
         add_slot(self, "ape", (ratio, coff * head_dim), "fp32")
         self.norm = RMSNorm(head_dim, cfg.rms_norm_eps)
 
-    def cached(self, x: torch.Tensor, p0: int, cache: Optional[LayerCache], name: str,
-               rope: RopeTable) -> Optional[torch.Tensor]:
-        """Compresses x against the cache's state of `name`, appends the new rows there and
-        -> every compressed row so far [B, C, D] (None if none); without a cache: the new rows."""
-        state = cache.compressor_state(name) if cache is not None else None
-        new, state = self(x, p0, state, rope)
-        if cache is None:
-            return new
-        cache.set_compressor_state(name, state)
-        if new.shape[1]:
-            cache.append_compressed(name, new)
-        return cache.compressed(name)
-
-    def forward(self, x: torch.Tensor, p0: int, state: Optional[CompressorState], rope: RopeTable):
-        """x [B, T, d] at positions p0.. -> (new rows [B, nb, D], new state).
-
-        state None means a fresh sequence (p0 must then be a block start)."""
-        B, _, _ = x.shape
+    def forward(self, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """x [B, T, d] at positions 0.. -> the rows of its complete blocks [B, T // r, D]."""
+        B, T, _ = x.shape
         r, D = self.ratio, self.head_dim
-        kv, score = self.wkv(x), self.wgate(x)
-        prev_kv = prev_score = None
-        if state is not None:
-            kv = torch.cat([state.kv, kv], dim=1)
-            score = torch.cat([state.score, score], dim=1)
-            prev_kv, prev_score = state.prev_kv, state.prev_score
-        start = p0 - (state.kv.shape[1] if state is not None else 0)
-        if start % r:
-            raise RuntimeError(f"deepfuse: compressor state starts at position {start}, not a block start")
-        nb = kv.shape[1] // r
-        used = nb * r
-        rest = (kv[:, used:], score[:, used:])
+        nb = T // r
         if nb == 0:
-            return kv.new_zeros(B, 0, D), CompressorState(*rest, prev_kv, prev_score)
-        ck = kv[:, :used].unflatten(1, (nb, r))
-        cs = score[:, :used].unflatten(1, (nb, r)) + self.ape  # fp32
+            return x.new_zeros(B, 0, D)
+        used = nb * r
+        ck = self.wkv(x[:, :used]).unflatten(1, (nb, r))
+        cs = self.wgate(x[:, :used]).unflatten(1, (nb, r)) + self.ape  # fp32
         if self.overlap:
             big_kv = ck.new_zeros(B, nb, 2 * r, D)
             big_s = cs.new_full((B, nb, 2 * r, D), float("-inf"))
@@ -78,15 +55,28 @@ class Compressor(nn.Module):
             big_s[:, :, r:] = cs[..., D:]
             big_kv[:, 1:, :r] = ck[:, :-1, :, :D]
             big_s[:, 1:, :r] = cs[:, :-1, :, :D]
-            if prev_kv is not None:
-                big_kv[:, 0, :r] = prev_kv
-                big_s[:, 0, :r] = prev_score
-            prev_kv, prev_score = ck[:, -1, :, :D], cs[:, -1, :, :D]
             pooled = ops.compress_pool(big_kv, big_s)
         else:
             pooled = ops.compress_pool(ck, cs)
-        rows = self.norm(pooled)
-        pos = start + torch.arange(nb, device=x.device) * r
-        cos, sin = rope(pos)
-        rows = ops.rope(rows, cos.expand(B, -1, -1), sin.expand(B, -1, -1))
-        return rows, CompressorState(*rest, prev_kv, prev_score)
+        cos, sin = rope(torch.arange(nb, device=x.device) * r)
+        return ops.rope(self.norm(pooled), cos.expand(B, -1, -1), sin.expand(B, -1, -1))
+
+    def step(self, x: torch.Tensor, plan, cache, name: str, rope: RopeTable) -> None:
+        """x [N, d] of a flat step; plan: its CompressPlan; cache: the layer's LayerCacheView,
+        whose state `name` ("attn" / "index") is used and whose rows of that name are written."""
+        r, D = self.ratio, self.head_dim
+        kv, score = self.wkv(x), self.wgate(x)
+        if plan.num_blocks:
+            skv, ssc = cache.states[name]
+            fresh = plan.src_is_fresh.unsqueeze(-1)
+            bk = torch.where(fresh, kv[plan.src_fresh], skv[plan.src_state])
+            bs = torch.where(fresh, score[plan.src_fresh], ssc[plan.src_state]).float() + self.ape[plan.src_ape]
+            if self.overlap:  # rows 0..r-1: the previous block's first halves; r..2r-1: own second halves
+                bk = torch.cat([bk[:, :r, :D], bk[:, r:, D:]], dim=1)
+                bs = torch.cat([bs[:, :r, :D], bs[:, r:, D:]], dim=1)
+            valid = plan.src_valid.unsqueeze(-1)
+            rows = self.norm(ops.compress_pool(bk.masked_fill(~valid, 0), bs.masked_fill(~valid, float("-inf"))))
+            cos, sin = rope(plan.blk_pos)
+            rows = ops.rope(rows, cos, sin)
+            (cache.store_compressed if name == "attn" else cache.store_index)(rows, plan.blk_slot)
+        cache.store_state(name, kv, score, plan.state_slots)

@@ -12,14 +12,11 @@ reference does); we follow the oracle.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 
 from deepfuse import ops
 
-from .cache import LayerCache
 from .compressor import Compressor
 from .config import V4Config
 from .linear import Linear
@@ -46,12 +43,12 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
         self.compressor = Compressor(cfg, ratio, self.head_dim, overlap=True)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, p0: int,
-                cache: Optional[LayerCache], rope: RopeTable) -> torch.Tensor:
-        """-> selected entry indices [B, T, k] (int64, -1 = empty slot)."""
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """Full forward: x [B, T, d] from position 0 -> selected entry indices [B, T, k]
+        (int64, -1 = empty slot)."""
         B, T, _ = x.shape
-        keys = self.compressor.cached(x, p0, cache, "index", rope)
-        C = 0 if keys is None else keys.shape[1]
+        keys = self.compressor(x, rope)
+        C = keys.shape[1]
         if C == 0:
             return torch.empty(B, T, 0, dtype=torch.long, device=x.device)
         cos, sin = rope(positions)
@@ -61,3 +58,24 @@ class Indexer(nn.Module):
         scores = ops.indexer_scores(q, keys, w, self.head_dim ** -0.5)
         visible = ((positions + 1) // self.ratio).expand(B, -1)
         return select_topk(scores, min(self.topk, C), visible)
+
+    def step(self, x: torch.Tensor, qr: torch.Tensor, ctx, plan, cache, rope: RopeTable):
+        """One flat step: x [N, d], qr [N, q_lora_rank] -> cache slots [N, k] of the selected
+        compressed rows (-1 = none), or None when no request of the step has an entry yet."""
+        self.compressor.step(x, plan, cache, "index", rope)
+        C = plan.max_entries
+        if C == 0:
+            return None
+        N = x.shape[0]
+        cos, sin = ctx.rope("compress", rope)
+        q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        slots = plan.entry_slots[ctx.token_req]  # [N, C] the keys of each token's request
+        scores = torch.empty(N, C, dtype=torch.float32, device=x.device)
+        chunk = max(1, (1 << 24) // (C * self.head_dim))
+        for t0 in range(0, N, chunk):
+            t1 = min(N, t0 + chunk)
+            k = cache.index_keys(slots[t0:t1])
+            scores[t0:t1] = ops.indexer_scores(q[t0:t1, None], k, w[t0:t1, None], self.head_dim ** -0.5)[:, 0]
+        sel = select_topk(scores, min(self.topk, C), plan.n_vis)
+        return torch.where(sel >= 0, slots.gather(1, sel.clamp(min=0)), -1)

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from . import mhc
 from .block import Block
-from .cache import ModelCache
 from .config import V4Config
 from .linear import Linear, add_slot
 from .mtp import MTPLayer
@@ -52,70 +51,62 @@ class V4Model(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_cache(self, batch_size: int) -> ModelCache:
-        """Empty per-request decode state (plain tensors) for `batch_size` requests."""
-        return ModelCache.dense(batch_size, len(self.layers), len(self.mtp), self.cfg.sliding_window)
-
-    def _check_ids(self, input_ids: torch.Tensor, cache: Optional[ModelCache]) -> None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
+    def _check_ids(self, input_ids: torch.Tensor, ndim: int = 2) -> None:
+        shape = "[B, T]" if ndim == 2 else "[N]"
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != ndim or input_ids.dtype not in (
                 torch.int64, torch.int32):
-            raise ValueError("deepfuse: input_ids must be an int64/int32 tensor of shape [B, T]")
+            raise ValueError(f"deepfuse: input_ids must be an int64/int32 tensor of shape {shape}")
         if input_ids.device != self.device:
             raise ValueError(f"deepfuse: input_ids is on {input_ids.device}, the model on {self.device}")
-        if cache is not None and input_ids.shape[0] != cache.batch_size:
-            raise ValueError(f"deepfuse: input_ids has batch {input_ids.shape[0]}, the cache {cache.batch_size}")
 
-    def forward(self, input_ids: torch.Tensor, cache: Optional[ModelCache] = None, *,
-                return_streams: bool = False):
-        """input_ids [B, T] -> logits [B, T, vocab] (fp32).
-
-        Without a cache: one full forward from position 0. With a cache: the T tokens
-        continue the cached sequences (prefill, chunked prefill or decode) and the cache
-        advances. return_streams=True also returns the final mHC streams [B, T, hc, d]
-        (the MTP layer's input)."""
-        self._check_ids(input_ids, cache)
+    def forward(self, input_ids: torch.Tensor, *, return_streams: bool = False):
+        """Full forward of sequences from position 0: input_ids [B, T] -> logits [B, T, vocab]
+        (fp32). return_streams=True also returns the final mHC streams [B, T, hc, d] (the MTP
+        layer's input). Incremental decoding runs on the engine (forward_step)."""
+        self._check_ids(input_ids)
         B, T = input_ids.shape
-        p0 = cache.length if cache is not None else 0
-        positions = torch.arange(p0, p0 + T, device=input_ids.device)
+        positions = torch.arange(T, device=input_ids.device)
         x = mhc.expand(self.embed(input_ids).to(self.dtype), self.cfg)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, p0, self.ropes, input_ids, cache.layers[i] if cache is not None else None)
-        if cache is not None:
-            cache.length += T
+        for layer in self.layers:
+            x = layer(x, positions, self.ropes, input_ids)
         logits = self.head(self.norm(mhc.head(self, x, self.cfg))).float()
         return (logits, x) if return_streams else logits
 
-    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, cache: Optional[ModelCache] = None,
-                    layer: int = 0):
-        """MTP layer `layer`: streams [B, T, hc, d] at positions p0.. and the ids of the tokens
-        that follow them [B, T] -> (logits [B, T, vocab] fp32 for the tokens after those,
-        the layer's output streams, for chaining further MTP layers)."""
+    def forward_step(self, ctx, cache) -> torch.Tensor:
+        """One engine step over the flat batch of `ctx` (deepfuse.engine.context.StepContext)
+        with the engine's cache (CacheManager): -> logits [R, vocab] (fp32) of the rows
+        ctx.logits_indices. Writes every layer's cache state for the step's tokens."""
+        ids = ctx.input_ids
+        x = mhc.expand(self.embed(ids).to(self.dtype), self.cfg)[None]  # [1, N, hc, d]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx.positions, self.ropes, ids[None], ctx, cache.layer(i))
+        h = x[0, ctx.logits_indices]
+        return self.head(self.norm(mhc.head(self, h, self.cfg))).float()
+
+    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0):
+        """MTP layer `layer` over whole sequences: streams [B, T, hc, d] at positions 0.. and
+        the ids of the tokens that follow them [B, T] -> (logits [B, T, vocab] fp32 for the
+        tokens after those, the layer's output streams, for chaining further MTP layers)."""
         if not len(self.mtp):
             raise ValueError("deepfuse: this checkpoint has no MTP layer (num_nextn_predict_layers = 0)")
-        self._check_ids(next_ids, cache)
-        mtp = self.mtp[layer]
+        self._check_ids(next_ids)
         B, T = next_ids.shape
-        p0 = cache.mtp_lengths[layer] if cache is not None else 0
-        positions = torch.arange(p0, p0 + T, device=next_ids.device)
+        positions = torch.arange(T, device=next_ids.device)
         emb = self.embed(next_ids).to(self.dtype)
-        h, out = mtp.step(streams, emb, next_ids, positions, p0, self.ropes,
-                          cache.mtp[layer] if cache is not None else None)
-        if cache is not None:
-            cache.mtp_lengths[layer] += T
+        h, out = self.mtp[layer].step(streams, emb, next_ids, positions, self.ropes)
         return self.head(h).float(), out
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: Optional[int] = None):
-        """Greedy decoding with a cache: prefill, then one token per step -> [B, T + new]."""
-        cache = self.new_cache(input_ids.shape[0])
-        out = input_ids
-        logits = self(input_ids, cache)
-        for _ in range(max_new_tokens):
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            out = torch.cat([out, nxt], dim=1)
-            if eos_token_id is not None and bool((nxt == eos_token_id).all()):
-                break
-            if out.shape[1] - input_ids.shape[1] == max_new_tokens:
-                break
-            logits = self(nxt, cache)
-        return out
+        """Greedy decoding on the engine (paged caches, lossless "auto" KV) -> [B, T + new];
+        a row that emits eos_token_id stops there and is padded with it."""
+        from deepfuse.engine import LLM, SamplingParams
+
+        llm = LLM(self, max_num_seqs=max(1, input_ids.shape[0]))
+        stop = () if eos_token_id is None else (int(eos_token_id),)
+        outs = llm.generate(input_ids.tolist(), SamplingParams(max_tokens=max_new_tokens, stop_token_ids=stop,
+                                                               ignore_eos=True))
+        n = max(len(o.token_ids) for o in outs)
+        pad = 0 if eos_token_id is None else int(eos_token_id)
+        new = torch.tensor([o.token_ids + [pad] * (n - len(o.token_ids)) for o in outs], dtype=input_ids.dtype)
+        return torch.cat([input_ids, new.to(input_ids.device)], dim=1)

@@ -9,13 +9,10 @@ enorm, hnorm, norm, hc_head_*} plus the block's names.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import mhc
 from .block import Block
-from .cache import LayerCache
 from .config import V4Config
 from .linear import Linear
 from .norm import RMSNorm
@@ -33,8 +30,9 @@ class MTPLayer(Block):
         mhc.add_head_slots(self, cfg)
 
     def step(self, streams: torch.Tensor, emb_next: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-             p0: int, ropes: dict[str, RopeTable], cache: Optional[LayerCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (normed hidden [B, T, d] for the shared head, this layer's output streams)."""
+             ropes: dict[str, RopeTable]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full forward from position 0 -> (normed hidden [B, T, d] for the shared head, this
+        layer's output streams)."""
         x = self.e_proj(self.enorm(emb_next)).unsqueeze(-2) + self.h_proj(self.hnorm(streams))
-        x = Block.forward(self, x, positions, p0, ropes, next_ids, cache)
+        x = Block.forward(self, x, positions, ropes, next_ids)
         return self.norm(mhc.head(self, x, self.cfg)), x

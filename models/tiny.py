@@ -1,6 +1,7 @@
 """A small random DeepSeek V4 checkpoint, generated deterministically on first use.
 
-It has every layer kind (sliding window, CSA 4:1 with the indexer, HCA 128:1), hash-routed
+It has V4's attention widths (head_dim 512 with 64 RoPE dims, indexer keys of 128), so the
+engine's FP8 cache formats apply, and every layer kind (sliding window, CSA 4:1 with the indexer, HCA 128:1), hash-routed
 and top-k routed MoE layers and one MTP layer, in the official key naming, written as two
 safetensors shards with an index. quant="fp8" stores the attention / shared-expert /
 MTP-projection linears as FP8 e4m3 with UE8M0 128x128 block scales and the routed experts
@@ -27,7 +28,7 @@ from .linear import Linear, slots
 from .model import V4Model
 from .moe import Experts
 
-VERSION = 1
+VERSION = 2
 CONFIG = {
     "model_type": "deepseek_v4",
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -36,8 +37,8 @@ CONFIG = {
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 1,
-    "head_dim": 64,
-    "qk_rope_head_dim": 16,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
     "q_lora_rank": 32,
     "o_groups": 2,
     "o_lora_rank": 32,
@@ -53,7 +54,7 @@ CONFIG = {
     "routed_scaling_factor": 1.5,
     "swiglu_limit": 10.0,
     "index_n_heads": 8,
-    "index_head_dim": 32,
+    "index_head_dim": 128,
     "index_topk": 8,
     "hc_mult": 4,
     "hc_sinkhorn_iters": 20,

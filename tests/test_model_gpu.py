@@ -3,6 +3,7 @@ references) against the CPU fp32 run of the same tiny checkpoint."""
 import pytest
 import torch
 
+from engine_util import run_chunks
 from v4_oracle import ids, rel_err
 
 from deepfuse.models import tiny
@@ -48,8 +49,7 @@ def test_gpu_incremental_decode_matches_full(ckpt):
     gpu = tiny.load(root, device="cuda", dtype=torch.float32)
     x = ids(2, 160, gpu.cfg.vocab_size, seed=3).cuda()
     full = gpu(x)
-    cache = gpu.new_cache(2)
-    inc = torch.cat([gpu(x[:, :120], cache)] + [gpu(x[:, t:t + 1], cache) for t in range(120, 160)], 1)
+    inc = run_chunks(gpu, x, [0, 120] + list(range(121, 161)))
     err = rel_err(inc.cpu(), full.cpu())
     print(f"tiny fp32 GPU prefill 120 + 40 decode vs full: rel err {err:.2e}")
     assert err <= 1e-4

@@ -48,7 +48,7 @@ def test_missing_tensor_is_named(tmp_path, good):
 def test_misshapen_tensor_is_named(tmp_path, good):
     bad = dict(good)
     bad["layers.0.attn.wkv.weight"] = bad["layers.0.attn.wkv.weight"][:, :-1].contiguous()
-    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wkv\.weight.*shape \[64, 63\]; expected \[64, 64\]"):
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wkv\.weight.*shape \[512, 63\]; expected \[512, 64\]"):
         load_ours(write(tmp_path, bad), dtype=torch.float32)
     bad = dict(good)
     bad["layers.3.hc_ffn_fn"] = torch.zeros(3, 3)

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from engine_util import run_chunks
 from v4_oracle import CONFIGS, ids, load_ours, oracle_checkpoint, rel_err, one_thread  # noqa: F401
 
 pytest.importorskip("transformers")
@@ -48,23 +49,17 @@ def test_every_layer_kind_present(pair):
 
 @torch.no_grad()
 def test_incremental_decode_matches_full_forward(pair):
-    """Prefill, then one token at a time (and a chunked schedule) == one full forward."""
+    """The engine's flat forward over its paged caches ("auto": lossless): prefill, then one
+    token at a time (and a chunked schedule) == one full forward, logits of every row."""
     name, m, ours, _ = pair
     T = 260
     x = ids(2, T, m.config.vocab_size, seed=2)
     full = ours(x)
-    cache = ours.new_cache(2)
-    outs = [ours(x[:, :100], cache)]
-    for t in range(100, T):
-        outs.append(ours(x[:, t:t + 1], cache))
-    inc = torch.cat(outs, 1)
-    assert cache.length == T
+    inc = run_chunks(ours, x, [0, 100] + list(range(101, T + 1)))
     err = rel_err(inc, full)
     print(f"{name}: prefill 100 + {T - 100} decode steps rel err {err:.2e}")
     assert err <= TOL
-    cache = ours.new_cache(2)
-    cuts = [0, 3, 5, 131, 132, 257, T]
-    chunked = torch.cat([ours(x[:, a:b], cache) for a, b in zip(cuts, cuts[1:])], 1)
+    chunked = run_chunks(ours, x, [0, 3, 5, 131, 132, 257, T])
     assert rel_err(chunked, full) <= TOL
     # and the oracle agrees on the same positions
     assert rel_err(full, m(x).logits) <= TOL

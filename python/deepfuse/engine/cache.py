@@ -1,0 +1,277 @@
+"""The hybrid V4 cache of the running requests: one manager for every layer's state.
+
+Per main layer: a sliding-window ring per request slot (plus the scratch pages a step writes
+its own rows to, see engine/context.py). Per compressed layer: paged compressed KV rows (CSA
+1 row per 4 tokens, HCA 1 per 128) and, on CSA layers, paged indexer keys on the same page
+ids; and per request slot the compressor state rings (un-pooled projections). Formats:
+"fp8" = kv_format's serving rows (584-byte KV rows, 132-byte indexer keys; needs head_dim
+512 and index_head_dim 128); "bf16" and "auto" (the model dtype: lossless) = dense rows
+[pages, page_size, dim] of any width. Every dense pool has one trash page at its end: slot
+-1 stores land there, so stores need no masking (no host sync).
+
+Capacity is counted in context tokens: a request holding n tokens reserves n of
+max_total_tokens; the page pools are sized so that they cannot run out before that budget
+does (ceil(budget / (ratio * page_size)) pages + one partial page per request slot).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from deepfuse import kv_format as F
+from deepfuse import ops
+
+from .allocator import PageAllocator
+from .context import CacheGeometry
+
+KV_DTYPES = ("auto", "fp8", "bf16")
+
+
+def _dense_store(pages: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    flat = pages.view(-1, pages.shape[-1])
+    trash = flat.shape[0] - 1
+    flat.index_copy_(0, torch.where(slots >= 0, slots, trash), rows.to(flat.dtype))
+
+
+@dataclass
+class LayerCacheView:
+    """One layer's part of the cache, as the model's layers use it."""
+
+    fp8: bool
+    ring: torch.Tensor                      # [P, Wp * 584] uint8 or [P, Wp, D]
+    ring_page_size: int
+    comp: Optional[torch.Tensor] = None     # compressed rows [P, ps * 584] / [P, ps, D]
+    index: Optional[torch.Tensor] = None    # indexer keys [P, ps * 132] / [P, ps, Di]
+    page_size: int = 0
+    states: dict = field(default_factory=dict)  # name -> (kv [S * R + 1, w], score [S * R + 1, w])
+
+    def _store_kv(self, pages: torch.Tensor, ps: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.fp8:
+            ops.kv_store(F.KVPages(F.KVFormat(ps, "fp8"), pages.unsqueeze(0)), slots, rows.to(torch.bfloat16))
+        else:
+            _dense_store(pages, rows, slots)
+
+    def store_window(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        self._store_kv(self.ring, self.ring_page_size, rows, slots)
+
+    def store_compressed(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        self._store_kv(self.comp, self.page_size, rows, slots)
+
+    def store_index(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.fp8:
+            ops.indexer_key_store(F.IndexerKeyPages(F.IndexerKeyFormat(self.page_size, "fp8"), self.index.unsqueeze(0)),
+                                  slots, keys.to(torch.bfloat16))
+        else:
+            _dense_store(self.index, keys, slots)
+
+    def index_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 keys [*slots.shape, Di] (rows of negative slots are zeros)."""
+        valid = slots >= 0
+        s = slots.clamp(min=0)
+        if self.fp8:
+            ik = F.IndexerKeyPages(F.IndexerKeyFormat(self.page_size, "fp8"), self.index.unsqueeze(0))
+            page, row = torch.div(s, self.page_size, rounding_mode="floor"), s.remainder(self.page_size)
+            keys = ik.keys()[0][page, row].float() * ik.scales()[0][page, row].unsqueeze(-1)
+        else:
+            keys = self.index.view(-1, self.index.shape[-1])[s].float()
+        return keys.masked_fill(~valid.unsqueeze(-1), 0.0)
+
+    def store_state(self, name: str, kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor) -> None:
+        skv, ssc = self.states[name]
+        trash = skv.shape[0] - 1
+        s = torch.where(slots >= 0, slots, trash)
+        skv.index_copy_(0, s, kv.to(skv.dtype))
+        ssc.index_copy_(0, s, score.to(ssc.dtype))
+
+
+@dataclass
+class ReqCache:
+    """What one running request holds."""
+
+    slot: int
+    tokens: int = 0                                # context tokens reserved
+    pages: dict = field(default_factory=dict)      # ratio -> list of page ids (block table row)
+
+
+class CacheManager:
+    def __init__(self, cfg, *, model_dtype: torch.dtype, device, kv_dtype: str = "auto", max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_total_tokens: int = 65536, max_model_len: int = 65536,
+                 page_size: int = 64, spec_tokens: int = 1):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"deepfuse: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        self.cfg, self.device = cfg, torch.device(device)
+        self.fp8 = kv_dtype == "fp8"
+        self.kv_dtype = kv_dtype
+        self.dtype = model_dtype if kv_dtype == "auto" else torch.bfloat16
+        D, Di = cfg.head_dim, cfg.index_head_dim
+        if self.fp8 and (D != F.KV_DIM or Di != F.IDX_DIM):
+            raise ValueError(f"deepfuse: kv_dtype 'fp8' stores V4's {F.KV_DIM}-dim KV rows and {F.IDX_DIM}-dim indexer "
+                             f"keys; this model has head_dim {D}, index_head_dim {Di} (use 'auto' or 'bf16')")
+        if page_size < F.PAGE_ALIGN_ROWS or page_size % F.PAGE_ALIGN_ROWS:
+            raise ValueError(f"deepfuse: page_size must be a positive multiple of 16, got {page_size}")
+        S = self.num_slots = max_num_seqs
+        self.max_total_tokens = max_total_tokens
+        self.page_size = ps = page_size
+        W = cfg.sliding_window
+        Wr = W + spec_tokens - 1
+        Wp = F.round_up(Wr, F.PAGE_ALIGN_ROWS)
+        scratch = -(-max_num_batched_tokens // Wp)
+        types = list(cfg.layer_types)
+        self.layer_ratio = [cfg.compress_ratio(t) for t in types]
+        schedules = []
+        for t in types:
+            r = cfg.compress_ratio(t)
+            if r and (r, t == "compressed_sparse_attention") not in schedules:
+                schedules.append((r, t == "compressed_sparse_attention"))
+        self.geometry = CacheGeometry(W, Wr, Wp, S * Wp, tuple(schedules), ps)
+        dev = self.device
+        L = len(types)
+        self.ring = self._kv_pool(L, S + scratch + 1, Wp, D)
+        # compressed pools per ratio: layers of that ratio, pages sized from the token budget
+        self.pools: dict[int, PageAllocator] = {}
+        self.comp: dict[int, torch.Tensor] = {}
+        self.index: Optional[torch.Tensor] = None
+        self.states: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.block_tables: dict[int, torch.Tensor] = {}
+        self.layer_pos: list[int] = []  # index of layer i among the layers of its ratio
+        counts: dict[int, int] = {}
+        for r in self.layer_ratio:
+            self.layer_pos.append(counts.get(r, 0))
+            counts[r] = counts.get(r, 0) + 1
+        for r, overlap in schedules:
+            n = counts[r]
+            P = -(-max_total_tokens // (r * ps)) + S
+            self.pools[r] = PageAllocator(P)
+            self.comp[r] = self._kv_pool(n, P + 1, ps, D)
+            maxp = max(1, -(-(max_model_len // r) // ps))
+            self.block_tables[r] = torch.zeros(S, maxp, dtype=torch.int64, device=dev)
+            R = 2 * r if overlap else r
+            coff = 2 if overlap else 1
+            self.states[(r, "attn")] = self._state(n, S * R + 1, coff * D)
+            if overlap:
+                self.index = self._index_pool(n, P + 1, ps, Di)
+                self.states[(r, "index")] = self._state(n, S * R + 1, coff * Di)
+        self._slots = list(range(S - 1, -1, -1))
+        self._pending: list[tuple[int, int, int, int]] = []  # (ratio, slot, column, page)
+        self.used_tokens = 0
+        self.peak_used_tokens = 0
+
+    # ------------------------------------------------------------------ storage
+    def _kv_pool(self, L: int, P: int, ps: int, D: int) -> torch.Tensor:
+        if self.fp8:
+            return torch.zeros(L, P, ps * F.KV_ROW_BYTES, dtype=torch.uint8, device=self.device)
+        return torch.zeros(L, P, ps, D, dtype=self.dtype, device=self.device)
+
+    def _index_pool(self, L: int, P: int, ps: int, Di: int) -> torch.Tensor:
+        if self.fp8:
+            return torch.zeros(L, P, ps * F.IDX_ROW_BYTES, dtype=torch.uint8, device=self.device)
+        return torch.zeros(L, P, ps, Di, dtype=self.dtype, device=self.device)
+
+    def _state(self, L: int, rows: int, width: int):
+        z = lambda: torch.zeros(L, rows, width, dtype=self.dtype, device=self.device)  # noqa: E731
+        return z(), z()
+
+    def nbytes(self) -> int:
+        ts = [self.ring, *self.comp.values(), *(s for pair in self.states.values() for s in pair)]
+        if self.index is not None:
+            ts.append(self.index)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def layer(self, i: int) -> LayerCacheView:
+        r = self.layer_ratio[i]
+        v = LayerCacheView(self.fp8, self.ring[i], self.geometry.ring_page_rows, page_size=self.page_size)
+        if r:
+            j = self.layer_pos[i]
+            v.comp = self.comp[r][j]
+            for (rr, name), (kv, sc) in self.states.items():
+                if rr == r:
+                    v.states[name] = (kv[j], sc[j])
+            if "index" in v.states:
+                v.index = self.index[j]
+        return v
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def free_tokens(self) -> int:
+        return self.max_total_tokens - self.used_tokens
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._slots)
+
+    def admit(self) -> ReqCache:
+        if not self._slots:
+            raise MemoryError("deepfuse: no free request slot")
+        return ReqCache(self._slots.pop(), 0, {r: [] for r in self.pools})
+
+    def grow(self, rc: ReqCache, tokens: int) -> None:
+        """Reserve context up to `tokens` and the compressed pages its complete blocks need."""
+        extra = tokens - rc.tokens
+        if extra > self.free_tokens:
+            raise MemoryError(f"deepfuse: cache budget exceeded ({extra} tokens asked, {self.free_tokens} free)")
+        if extra <= 0:
+            return
+        for r, pool in self.pools.items():
+            need = -(-(tokens // r) // self.page_size)
+            have = rc.pages[r]
+            if need > len(have):
+                new = pool.alloc(need - len(have))
+                for k, p in enumerate(new):
+                    self._pending.append((r, rc.slot, len(have) + k, p))
+                have.extend(new)
+        rc.tokens = tokens
+        self.used_tokens += extra
+        self.peak_used_tokens = max(self.peak_used_tokens, self.used_tokens)
+
+    def release(self, rc: ReqCache) -> None:
+        for r, pages in rc.pages.items():
+            self.pools[r].free(pages)
+            pages.clear()
+        self.used_tokens -= rc.tokens
+        rc.tokens = 0
+        self._slots.append(rc.slot)
+        rc.slot = -1
+
+    def flush(self) -> None:
+        """Write the block-table entries of pages allocated since the last flush (one copy per ratio)."""
+        if not self._pending:
+            return
+        a = np.asarray(self._pending, dtype=np.int64)
+        self._pending.clear()
+        for r, bt in self.block_tables.items():
+            m = a[a[:, 0] == r]
+            if len(m):
+                idx = torch.from_numpy(m[:, 1:]).to(self.device)
+                bt[idx[:, 0], idx[:, 1]] = idx[:, 2]
+
+    def pages_in_use(self) -> dict[int, int]:
+        return {r: p.num_pages - p.num_free for r, p in self.pools.items()}
+
+    @staticmethod
+    def bytes_per_token(cfg, kv_dtype: str, model_dtype: torch.dtype) -> float:
+        el = 2 if kv_dtype == "bf16" else torch.empty(0, dtype=model_dtype).element_size()
+        kv_row = F.KV_ROW_BYTES if kv_dtype == "fp8" else cfg.head_dim * el
+        idx_row = F.IDX_ROW_BYTES if kv_dtype == "fp8" else cfg.index_head_dim * el
+        b = 0.0
+        for t in cfg.layer_types:
+            r = cfg.compress_ratio(t)
+            if r:
+                b += (kv_row + (idx_row if t == "compressed_sparse_attention" else 0)) / r
+        return max(b, 1.0)
+
+
+def default_total_tokens(cfg, kv_dtype: str, model_dtype, device, max_num_seqs: int, max_model_len: int) -> int:
+    """max_total_tokens when not given: half the free device memory (CUDA) or 128K tokens
+    (CPU), never more than max_num_seqs full-length requests."""
+    cap = max_num_seqs * max_model_len
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        n = int(0.5 * free / CacheManager.bytes_per_token(cfg, kv_dtype, model_dtype))
+    else:
+        n = 1 << 17
+    return max(1, min(cap, n, 1 << 31))
+

@@ -1,0 +1,179 @@
+"""The engine: requests in, one scheduled step at a time, outputs out."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .cache import CacheManager, default_total_tokens
+from .model_runner import ModelRunner
+from .request import Request, RequestOutput, SamplingParams
+from .scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_dtype: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_total_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    page_size: int = 64
+    seed: int = 0
+
+    def validate(self) -> "EngineConfig":
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"deepfuse: {name} must be an int >= 1, got {v!r}")
+        for name in ("max_total_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"deepfuse: {name} must be None or an int >= 1, got {v!r}")
+        return self
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig = EngineConfig()):
+        config.validate()
+        self.model, self.config = model, config
+        cfg = model.cfg
+        self.vocab_size = cfg.vocab_size
+        eos = cfg.eos_token_id
+        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+        max_len = config.max_model_len or cfg.max_position_embeddings
+        total = config.max_total_tokens or default_total_tokens(cfg, config.kv_dtype, model.dtype, model.device,
+                                                                config.max_num_seqs, max_len)
+        self.max_model_len = min(max_len, total)
+        self.cache = CacheManager(cfg, model_dtype=model.dtype, device=model.device, kv_dtype=config.kv_dtype,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens, max_total_tokens=total,
+                                  max_model_len=self.max_model_len, page_size=config.page_size)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache)
+        self._reqs: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._arrivals = 0
+        self._rng = random.Random(config.seed)
+        self.num_steps = 0
+        self.step_times: list[float] = []      # wall time per step (host-synchronised by the token read)
+        self.prepare_times: list[float] = []   # host time per step in scheduling + context building
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, prompt_token_ids, params: Optional[SamplingParams]) -> tuple[list[int], SamplingParams]:
+        """Validate a request -> (prompt ids, params); ValueError naming the field otherwise."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"deepfuse: params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if isinstance(prompt_token_ids, torch.Tensor):
+            prompt_token_ids = prompt_token_ids.tolist()
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("deepfuse: prompt_token_ids must be a non-empty list of token ids")
+        ids = list(prompt_token_ids)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"deepfuse: prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): "
+                             f"{bad[:5]}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"deepfuse: prompt_token_ids ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        return ids, params
+
+    def add_request(self, request_id: str, prompt_token_ids, params: Optional[SamplingParams] = None) -> None:
+        ids, params = self.check_request(prompt_token_ids, params)
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"deepfuse: request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._reqs:
+            raise ValueError(f"deepfuse: request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(request_id, ids, params, seed, self._arrivals, arrival_time=time.perf_counter())
+        self._arrivals += 1
+        self._reqs[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its cache; the next step() reports it (unknown ids: no-op)."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.remove(req)
+        req.finish_reason = "abort"
+        self._aborted.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._reqs) or bool(self._aborted)
+
+    # ------------------------------------------------------------------ one step
+    def _finish_reason(self, req: Request, tok: int) -> Optional[str]:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        outs = [RequestOutput(r.request_id, r.prompt_token_ids, [], True, "abort") for r in self._aborted]
+        self._aborted.clear()
+        t0 = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        t_sched = time.perf_counter() - t0
+        if not chunks:
+            return outs
+        ctx, res = self.runner.run(chunks)
+        for c in chunks:
+            c.req.num_computed += c.count
+        if res is not None:
+            toks = res.tokens.tolist()
+            lps = res.logprobs.tolist() if res.logprobs is not None else None
+            tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
+            now = time.perf_counter()
+            for row, i in enumerate(ctx.sample_reqs):
+                req = chunks[i].req
+                tok = toks[row]
+                req.output_token_ids.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                o = RequestOutput(req.request_id, req.prompt_token_ids, [tok])
+                lp = req.params.logprobs
+                if lp is not None:
+                    req.logprobs.append(lps[row])
+                    o.logprobs = [lps[row]]
+                    if lp > 0:
+                        d = dict(zip(tops[0][row][:lp], tops[1][row][:lp]))
+                        req.top_logprobs.append(d)
+                        o.top_logprobs = [d]
+                reason = self._finish_reason(req, tok)
+                if reason is not None:
+                    req.finish_reason = reason
+                    self.scheduler.remove(req)
+                    del self._reqs[req.request_id]
+                    o.finished, o.finish_reason = True, reason
+                outs.append(o)
+        self.num_steps += 1
+        self.step_times.append(time.perf_counter() - t0)
+        self.prepare_times.append(t_sched + self.runner.last_prepare_s)
+        return outs
+
+    def stats(self) -> dict:
+        c = self.cache
+        return {
+            "num_steps": self.num_steps,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "used_tokens": c.used_tokens,
+            "peak_used_tokens": c.peak_used_tokens,
+            "max_total_tokens": c.max_total_tokens,
+            "free_slots": c.free_slots,
+            "pages_in_use": c.pages_in_use(),
+            "cache_bytes": c.nbytes(),
+            "kv_dtype": c.kv_dtype,
+        }
+
+
+__all__ = ["Engine", "EngineConfig"]

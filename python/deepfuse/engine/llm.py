@@ -1,0 +1,78 @@
+"""LLM: the offline entry point (a model plus an engine; generate() runs requests to the end)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .engine import Engine, EngineConfig
+from .request import RequestOutput, SamplingParams
+
+
+def _load(model, device, dtype):
+    from deepfuse import models
+
+    if isinstance(model, models.V4Model):
+        if device is not None and torch.device(device) != model.device:
+            raise ValueError(f"deepfuse: LLM: device {device} differs from the model's ({model.device})")
+        if dtype is not None and dtype != model.dtype:
+            raise ValueError(f"deepfuse: LLM: dtype {dtype} differs from the model's ({model.dtype})")
+        return model
+    if not isinstance(model, str):
+        raise ValueError(f"deepfuse: LLM: model must be a checkpoint directory, 'tiny' or a V4Model, got "
+                         f"{type(model).__name__}")
+    device = torch.device(device or "cpu")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if model == "tiny":
+        return models.tiny.load(device=device, dtype=dtype)
+    return models.load(model, device=device, dtype=dtype)
+
+
+class LLM:
+    def __init__(self, model, device=None, dtype: Optional[torch.dtype] = None, kv_dtype: str = "auto",
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_total_tokens: Optional[int] = None,
+                 max_model_len: Optional[int] = None, **engine_kw):
+        cfg = EngineConfig(kv_dtype=kv_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           max_total_tokens=max_total_tokens, max_model_len=max_model_len, **engine_kw).validate()
+        self.model = _load(model, device, dtype)
+        self.engine = Engine(self.model, cfg)
+        self._next = 0
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
+        """Run every prompt to completion -> RequestOutputs in prompt order (token_ids: all
+        generated tokens). Requests already in the engine run along."""
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in prompts):
+            raise ValueError("deepfuse: LLM.generate: prompts must be a list of token-id lists")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"deepfuse: LLM.generate: {len(params)} params for {len(prompts)} prompts")
+        checked = [self.engine.check_request(p, sp) for p, sp in zip(prompts, params)]  # all before any runs
+        ids = []
+        for p, sp in checked:
+            rid = f"gen-{self._next}"
+            self._next += 1
+            self.engine.add_request(rid, p, sp)
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        acc = {rid: RequestOutput(rid, list(p), []) for rid, p in zip(ids, prompts)}
+        want = set(ids)
+        while want - done.keys():
+            for o in self.engine.step():
+                a = acc.get(o.request_id)
+                if a is None:
+                    continue
+                a.token_ids.extend(o.token_ids)
+                if o.logprobs is not None:
+                    a.logprobs = (a.logprobs or []) + o.logprobs
+                if o.top_logprobs is not None:
+                    a.top_logprobs = (a.top_logprobs or []) + o.top_logprobs
+                if o.finished:
+                    a.finished, a.finish_reason = True, o.finish_reason
+                    done[o.request_id] = a
+        return [done[rid] for rid in ids]

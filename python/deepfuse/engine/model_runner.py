@@ -1,0 +1,56 @@
+"""Runs one scheduled step: the step context, the model's flat forward, the sampler."""
+from __future__ import annotations
+
+import time
+from itertools import chain
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .cache import CacheManager
+from .context import StepContext, build_context
+from .sampler import Sampler, SamplerOutput, SamplingBatch
+from .scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(self, model, cache: CacheManager):
+        self.model, self.cache = model, cache
+        self.device = model.device
+        self.sampler = Sampler()
+        self.last_prepare_s = 0.0  # host time of the last step's context building
+        self.captured: Optional[list] = None  # set to [] to keep (request ids, logits) of every step (tests)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepContext:
+        t0 = time.perf_counter()
+        B = len(chunks)
+        starts = np.fromiter((c.start for c in chunks), np.int64, B)
+        counts = np.fromiter((c.count for c in chunks), np.int64, B)
+        slots = np.fromiter((c.req.cache.slot for c in chunks), np.int64, B)
+        sample = np.fromiter((c.samples for c in chunks), bool, B)
+        N = int(counts.sum())
+        ids = np.fromiter(chain.from_iterable(c.req.tokens(c.start, c.start + c.count) for c in chunks), np.int64, N)
+        ctx = build_context(ids, starts, counts, slots, sample, self.cache.geometry, self.cache.block_tables,
+                            self.device)
+        self.last_prepare_s = time.perf_counter() - t0
+        return ctx
+
+    def sampling_batch(self, chunks: list[ScheduledChunk], ctx: StepContext) -> SamplingBatch:
+        reqs = [chunks[i].req for i in ctx.sample_reqs]
+        ps = [r.params for r in reqs]
+        nlp = max((p.logprobs or 0 for p in ps), default=0)
+        return SamplingBatch.from_lists(
+            [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+            [r.seed for r in reqs], [r.num_tokens for r in reqs], num_logprobs=nlp,
+            want_logprobs=any(p.logprobs is not None for p in ps), device=self.device)
+
+    @torch.no_grad()
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[StepContext, Optional[SamplerOutput]]:
+        ctx = self.prepare(chunks)
+        logits = self.model.forward_step(ctx, self.cache)
+        if logits.shape[0] == 0:
+            return ctx, None
+        if self.captured is not None:
+            self.captured.append(([chunks[i].req.request_id for i in ctx.sample_reqs], logits.cpu()))
+        return ctx, self.sampler(logits, self.sampling_batch(chunks, ctx))
