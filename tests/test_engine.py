@@ -236,3 +236,36 @@ def test_engine_config_and_llm_from_name():
     assert isinstance(llm.engine.config, EngineConfig)
     o = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
     assert len(o.token_ids) == 2 and o.finished
+
+
+class OnlyEven:
+    """A constraint with GrammarMatcher's methods: even token ids only, ends after 3 tokens."""
+
+    def __init__(self):
+        self.accepted = []
+
+    def fill_next_token_bitmask(self, mask, row):
+        mask[row] = 0x55555555  # bits 0, 2, 4, ...: even ids
+
+    def accept_token(self, tok):
+        self.accepted.append(tok)
+        return tok % 2 == 0
+
+    def is_terminated(self):
+        return len(self.accepted) == 3
+
+
+def test_token_constraint(tiny):
+    p = prompts_for([25], tiny.cfg.vocab_size, seed=8)[0]
+    eng = LLM(tiny, max_total_tokens=1000).engine
+    c = OnlyEven()
+    eng.add_request("c", p, SamplingParams(max_tokens=10, temperature=1.0, seed=3), constraint=c)
+    eng.add_request("free", p, SamplingParams(max_tokens=10, ignore_eos=True))
+    got = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    assert got["c"] == c.accepted and len(c.accepted) == 3 and all(t % 2 == 0 for t in got["c"])
+    assert len(got["free"]) == 10
+    with pytest.raises(ValueError, match="constraint"):
+        eng.add_request("bad", p, SamplingParams(), constraint=object())

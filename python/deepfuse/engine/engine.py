@@ -83,14 +83,23 @@ class Engine:
                              f"exceeds max_model_len ({self.max_model_len})")
         return ids, params
 
-    def add_request(self, request_id: str, prompt_token_ids, params: Optional[SamplingParams] = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids, params: Optional[SamplingParams] = None, *,
+                    constraint=None) -> None:
+        """Queue a request. constraint: optional per-request token constraint with the methods
+        of xgrammar's GrammarMatcher: fill_next_token_bitmask(bitmask int32 [R, ceil(V / 32)],
+        row) before each sampled token, accept_token(id) -> bool after it, is_terminated()
+        (then the request ends with "stop")."""
         ids, params = self.check_request(prompt_token_ids, params)
+        for m in ("fill_next_token_bitmask", "accept_token", "is_terminated"):
+            if constraint is not None and not callable(getattr(constraint, m, None)):
+                raise ValueError(f"deepfuse: constraint has no method {m}()")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"deepfuse: request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._reqs:
             raise ValueError(f"deepfuse: request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(request_id, ids, params, seed, self._arrivals, arrival_time=time.perf_counter())
+        req = Request(request_id, ids, params, seed, self._arrivals, arrival_time=time.perf_counter(),
+                      constraint=constraint)
         self._arrivals += 1
         self._reqs[request_id] = req
         self.scheduler.add(req)
@@ -148,6 +157,10 @@ class Engine:
                         req.top_logprobs.append(d)
                         o.top_logprobs = [d]
                 reason = self._finish_reason(req, tok)
+                if req.constraint is not None:
+                    ok = req.constraint.accept_token(tok)
+                    if (not ok or req.constraint.is_terminated()) and reason is None:
+                        reason = "stop"
                 if reason is not None:
                     req.finish_reason = reason
                     self.scheduler.remove(req)

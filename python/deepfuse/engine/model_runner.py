@@ -14,6 +14,20 @@ from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .scheduler import ScheduledChunk
 
 
+def apply_constraints(logits: torch.Tensor, reqs) -> torch.Tensor:
+    """Mask the logits of tokens that the rows' constraints forbid (bitmask: bit v % 32 of
+    word v // 32, 1 = allowed; xgrammar's layout)."""
+    R, V = logits.shape
+    mask = torch.full((R, -(-V // 32)), -1, dtype=torch.int32)
+    for row, r in enumerate(reqs):
+        if r.constraint is not None:
+            r.constraint.fill_next_token_bitmask(mask, row)
+    vocab = torch.arange(V, device=logits.device)
+    words = mask.to(logits.device)[:, vocab // 32]
+    allowed = ((words >> (vocab % 32).to(torch.int32)) & 1).bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 class ModelRunner:
     def __init__(self, model, cache: CacheManager):
         self.model, self.cache = model, cache
@@ -51,6 +65,9 @@ class ModelRunner:
         logits = self.model.forward_step(ctx, self.cache)
         if logits.shape[0] == 0:
             return ctx, None
+        reqs = [chunks[i].req for i in ctx.sample_reqs]
+        if any(r.constraint is not None for r in reqs):
+            logits = apply_constraints(logits, reqs)
         if self.captured is not None:
             self.captured.append(([chunks[i].req.request_id for i in ctx.sample_reqs], logits.cpu()))
         return ctx, self.sampler(logits, self.sampling_batch(chunks, ctx))

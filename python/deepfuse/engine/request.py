@@ -75,6 +75,7 @@ class Request:
     first_token_time: Optional[float] = None
     arrival_time: float = 0.0
     num_preemptions: int = 0
+    constraint: Optional[object] = None           # a token constraint (see Engine.add_request)
 
     @property
     def num_tokens(self) -> int:
