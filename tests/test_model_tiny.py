@@ -29,7 +29,7 @@ def test_tiny_model_covers_the_architecture(tmp_path):
     assert len(m.mtp) == 1 and m.mtp[0].attn.layer_type == "sliding_attention"
     x = ids(2, 140, m.cfg.vocab_size)
     out = m(x)
-    assert out.shape == (2, 140, 512) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert out.shape == (2, 140, m.cfg.vocab_size) and out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
 @torch.no_grad()

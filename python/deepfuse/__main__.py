@@ -1,63 +1,114 @@
-"""The main job: greedy decoding with the bundled tiny DeepSeek V4 model (or a checkpoint).
+"""The main job: the engine on the bundled tiny DeepSeek V4 model (or a checkpoint).
 
-    python -m deepfuse [--model DIR] [--device cuda|cpu] [--batch 4] [--prompt-len 48]
-                       [--new-tokens 32]
+    python -m deepfuse [--model DIR] [--device cuda|cpu] [--num-requests 16] [--max-prompt 300]
+                       [--max-tokens 32] [--kv-dtype auto|fp8|bf16] [engine options]
 
-Runs a batch of random prompts through prefill and a decode loop with the per-request
-cache, checks the decoded tokens against one full forward over the whole sequence, and
-prints throughput. Uses the GPU when there is one.
+A set of requests of mixed prompt lengths and output lengths arrives together and runs
+under continuous batching (chunked prefill, preemption when the cache is full). Prints
+throughput, time to first token, per-step time, the host time spent scheduling and building
+step contexts, cache use and preemptions, then checks every request against one full
+forward of the model over its sequence (each generated token must be the full forward's
+greedy choice). Uses the GPU when there is one.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 
 import torch
 
 
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deepfuse", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the bundled tiny V4)")
+    ap.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (the bundled random V4)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=48)
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "bf16"],
+                    help="cache format: auto = the model dtype (lossless), fp8 = the 584-byte serving rows")
+    ap.add_argument("--num-requests", type=positive_int, default=16)
+    ap.add_argument("--min-prompt", type=positive_int, default=1)
+    ap.add_argument("--max-prompt", type=positive_int, default=300)
+    ap.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens generated per request")
+    ap.add_argument("--max-num-seqs", type=positive_int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    ap.add_argument("--max-total-tokens", type=positive_int, default=None,
+                    help="context tokens the caches hold (default: sized from free memory)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.min_prompt > a.max_prompt:
+        ap.error(f"--min-prompt ({a.min_prompt}) exceeds --max-prompt ({a.max_prompt})")
+    if a.max_total_tokens is not None and a.max_total_tokens < a.max_prompt + a.max_tokens:
+        ap.error(f"--max-total-tokens ({a.max_total_tokens}) must hold one request: >= --max-prompt + "
+                 f"--max-tokens ({a.max_prompt + a.max_tokens})")
 
     import deepfuse
-    from deepfuse import models
-    from deepfuse.engine.decode import greedy_decode
+    from deepfuse.engine import LLM, SamplingParams
 
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     print(f"deepfuse {deepfuse.__version__} | device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-          + f" | CUDA kernels: {deepfuse.has_cuda_kernels()} {deepfuse.built_archs()} | dtype {str(dtype)[6:]}")
-    if a.model:
-        model = models.load(a.model, device=device, dtype=dtype)
-        where = a.model
-    else:
-        where = models.tiny.path()
-        model = models.load(where, device=device, dtype=dtype)
+          + f" | CUDA kernels: {deepfuse.has_cuda_kernels()} {deepfuse.built_archs()} | dtype {str(dtype)[6:]}"
+          + f" | kv {a.kv_dtype}")
+    llm = LLM(a.model, device=device, dtype=dtype, kv_dtype=a.kv_dtype, max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_num_batched_tokens, max_total_tokens=a.max_total_tokens)
+    model, eng = llm.model, llm.engine
     cfg = model.cfg
-    print(f"model {where}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    print(f"model {a.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} | "
+          f"cache {eng.cache.max_total_tokens} tokens, {eng.cache.nbytes() / 2**20:.1f} MiB")
 
     g = torch.Generator().manual_seed(a.seed)
-    prompts = torch.randint(0, cfg.vocab_size, (a.batch, a.prompt_len), generator=g).to(device)
-    res = greedy_decode(model, prompts, a.new_tokens)
-    print(f"prefill {a.batch} x {a.prompt_len} tokens: {res.prefill_s * 1e3:.1f} ms | "
-          f"decode {a.new_tokens} steps: {res.decode_s * 1e3:.1f} ms, {res.decode_tok_per_s:.1f} tok/s")
-    print("request 0 continuation:", res.tokens[0, a.prompt_len:].tolist())
+    n = a.num_requests
+    lens = torch.randint(a.min_prompt, a.max_prompt + 1, (n,), generator=g).tolist()
+    outs_n = torch.randint(1, a.max_tokens + 1, (n,), generator=g).tolist()
+    prompts = [torch.randint(0, cfg.vocab_size, (L,), generator=g).tolist() for L in lens]
+    params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in outs_n]
 
-    # The decode loop must reproduce one full forward over the whole sequence.
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    reqs_done = sum(len(o.token_ids) for o in outs)
+    st = eng.stats()
+    steps = eng.step_times
+    prep = eng.prepare_times
+    print(f"{n} requests, prompts {min(lens)}-{max(lens)} tokens ({sum(lens)} in all), "
+          f"{reqs_done} tokens generated in {wall:.2f} s over {len(steps)} steps")
+    print(f"throughput: {reqs_done / wall:.1f} output tok/s, {(reqs_done + sum(lens)) / wall:.1f} tok/s in all")
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]
+    print(f"time to first token: mean {statistics.mean(ttft) * 1e3:.1f} ms, max {max(ttft) * 1e3:.1f} ms")
+    print(f"step time: mean {statistics.mean(steps) * 1e3:.2f} ms, median {statistics.median(steps) * 1e3:.2f} ms | "
+          f"host scheduling + context: mean {statistics.mean(prep) * 1e3:.3f} ms per step")
+    print(f"cache: peak {st['peak_used_tokens']} of {st['max_total_tokens']} tokens | "
+          f"preemptions {st['num_preemptions']}")
+    print("request 0 continuation:", outs[0].token_ids)
+
+    # every generated token must be the full forward's greedy choice given its prefix
+    agree = total = 0
     with torch.no_grad():
-        full = model(res.tokens.to(device))[:, a.prompt_len - 1:-1].argmax(-1).cpu()
-    agree = (full == res.tokens[:, a.prompt_len:]).float().mean().item()
-    print(f"full-forward greedy agreement with the decode loop: {agree:.1%}")
-    return 0 if agree >= (1.0 if dtype == torch.float32 else 0.9) else 1
+        for p, o in zip(prompts, outs):
+            seq = torch.tensor([p + o.token_ids], device=device)
+            ref = model(seq)[0, len(p) - 1:-1].argmax(-1).cpu().tolist()
+            agree += sum(x == y for x, y in zip(ref, o.token_ids))
+            total += len(o.token_ids)
+    frac = agree / max(total, 1)
+    print(f"full-forward greedy agreement with the engine: {frac:.1%} ({agree}/{total})")
+    need = 1.0 if dtype == torch.float32 and a.kv_dtype == "auto" else 0.7
+    return 0 if frac >= need else 1
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ class ReqCache:
     slot: int
     tokens: int = 0                                # context tokens reserved
     pages: dict = field(default_factory=dict)      # ratio -> list of page ids (block table row)
+    page_limit: int = -1                           # most tokens the pages held can serve
 
 
 class CacheManager:
@@ -135,7 +136,8 @@ class CacheManager:
         self.comp: dict[int, torch.Tensor] = {}
         self.index: Optional[torch.Tensor] = None
         self.states: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.block_tables: dict[int, torch.Tensor] = {}
+        self.block_tables: dict[int, torch.Tensor] = {}      # ratio -> [slots, max_pages] on the device
+        self.host_block_tables: dict[int, np.ndarray] = {}   # and its host copy
         self.layer_pos: list[int] = []  # index of layer i among the layers of its ratio
         counts: dict[int, int] = {}
         for r in self.layer_ratio:
@@ -148,6 +150,7 @@ class CacheManager:
             self.comp[r] = self._kv_pool(n, P + 1, ps, D)
             maxp = max(1, -(-(max_model_len // r) // ps))
             self.block_tables[r] = torch.zeros(S, maxp, dtype=torch.int64, device=dev)
+            self.host_block_tables[r] = np.zeros((S, maxp), dtype=np.int64)
             R = 2 * r if overlap else r
             coff = 2 if overlap else 1
             self.states[(r, "attn")] = self._state(n, S * R + 1, coff * D)
@@ -210,21 +213,31 @@ class CacheManager:
     def grow(self, rc: ReqCache, tokens: int) -> None:
         """Reserve context up to `tokens` and the compressed pages its complete blocks need."""
         extra = tokens - rc.tokens
-        if extra > self.free_tokens:
-            raise MemoryError(f"deepfuse: cache budget exceeded ({extra} tokens asked, {self.free_tokens} free)")
         if extra <= 0:
             return
+        if extra > self.max_total_tokens - self.used_tokens:
+            raise MemoryError(f"deepfuse: cache budget exceeded ({extra} tokens asked, {self.free_tokens} free)")
+        if tokens > rc.page_limit:
+            self._alloc_pages(rc, tokens)
+        rc.tokens = tokens
+        self.used_tokens += extra
+        if self.used_tokens > self.peak_used_tokens:
+            self.peak_used_tokens = self.used_tokens
+
+    def _alloc_pages(self, rc: ReqCache, tokens: int) -> None:
+        limit = 1 << 62
+        ps = self.page_size
         for r, pool in self.pools.items():
-            need = -(-(tokens // r) // self.page_size)
+            need = -(-(tokens // r) // ps)
             have = rc.pages[r]
             if need > len(have):
                 new = pool.alloc(need - len(have))
+                self.host_block_tables[r][rc.slot, len(have):need] = new
                 for k, p in enumerate(new):
                     self._pending.append((r, rc.slot, len(have) + k, p))
                 have.extend(new)
-        rc.tokens = tokens
-        self.used_tokens += extra
-        self.peak_used_tokens = max(self.peak_used_tokens, self.used_tokens)
+            limit = min(limit, (len(have) * ps + 1) * r - 1)
+        rc.page_limit = limit
 
     def release(self, rc: ReqCache) -> None:
         for r, pages in rc.pages.items():
@@ -232,6 +245,7 @@ class CacheManager:
             pages.clear()
         self.used_tokens -= rc.tokens
         rc.tokens = 0
+        rc.page_limit = -1
         self._slots.append(rc.slot)
         rc.slot = -1
 

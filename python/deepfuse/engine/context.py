@@ -90,84 +90,118 @@ class CacheGeometry:
     page_size: int                # rows per compressed page
 
 
-def _expand(counts: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (owner [sum counts] int64, rank within owner [sum counts] int64) on the device."""
-    n = int(counts.sum())
-    c = torch.from_numpy(counts.astype(np.int64)).to(device)
-    owner = torch.repeat_interleave(torch.arange(len(counts), device=device), c, output_size=n)
-    offs = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)).to(device)
-    rank = torch.arange(n, device=device) - offs[owner]
-    return owner, rank
+class _Upload:
+    """Packs the step's host index arrays into one buffer and copies it to the device once
+    (pinned staging buffer on CUDA, so the copy is asynchronous)."""
+
+    def __init__(self):
+        self._pinned: dict[torch.device, torch.Tensor] = {}
+        self._done: dict[torch.device, torch.cuda.Event] = {}
+
+    def __call__(self, arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        host = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int64, copy=False)
+        if device.type == "cuda":
+            buf = self._pinned.get(device)
+            if buf is None or buf.numel() < host.size:
+                buf = self._pinned[device] = torch.empty(max(host.size, 1 << 16) * 2, dtype=torch.int64,
+                                                         pin_memory=True)
+            ev = self._done.get(device)
+            if ev is not None:
+                ev.synchronize()  # the previous step's copy has left the staging buffer
+            staged = buf[:host.size]
+            staged.numpy()[:] = host
+            dev = staged.to(device, non_blocking=True)
+            ev = self._done[device] = torch.cuda.Event()
+            ev.record()
+        else:
+            dev = torch.from_numpy(host)
+        out, o = [], 0
+        for a, n in zip(arrays, sizes):
+            out.append(dev[o:o + n].view(a.shape))
+            o += n
+        return out
+
+
+_upload = _Upload()
+_aranges: dict[tuple, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    t = _aranges.get((n, device))
+    if t is None:
+        t = _aranges[(n, device)] = torch.arange(n, device=device)
+    return t
 
 
 def build_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: np.ndarray,
                   sample: np.ndarray, geom: CacheGeometry, block_tables: dict[int, torch.Tensor],
-                  device) -> StepContext:
+                  device, host_block_tables: dict[int, np.ndarray]) -> StepContext:
     """input_ids [N] (the step's tokens, request after request), per request: starts, counts,
     slots (request slots), sample (bool: sample the token after its last row);
-    block_tables[ratio]: the device block table [num_slots, max_pages] of that ratio."""
-    B = len(counts)
-    N = int(counts.sum())
-    ends = starts + counts
-    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    block_tables[ratio]: the device block table [num_slots, max_pages] of that ratio and
+    host_block_tables[ratio] its host copy. Per-token arrays are computed here with numpy
+    and copied to the device in one transfer; the [N, W] / [B, C] / [blocks, L] index
+    expansions run on the device."""
     dev = torch.device(device)
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(dev)  # noqa: E731
-    ids = t(input_ids)
-    start_d, slot_d, cu_d = t(starts), t(slots), t(cu[:-1])
-    token_req, rank = _expand(counts, dev)
-    positions = start_d[token_req] + rank
-    tok_start = start_d[token_req]
-    tok_slot = slot_d[token_req]
-    tok_end = t(ends)[token_req]
+    B = len(counts)
+    ends = starts + counts
+    cu = np.zeros(B + 1, np.int64)
+    np.cumsum(counts, out=cu[1:])
+    N = int(cu[-1])
+    token_req = np.repeat(np.arange(B, dtype=np.int64), counts)
+    positions = np.arange(N, dtype=np.int64) + (starts - cu[:-1])[token_req]
+    tok_slot, tok_end = slots[token_req], ends[token_req]
     sample_reqs = np.nonzero(sample)[0]
-    logits_indices = t(cu[1:][sample_reqs] - 1)
-
-    # window: keys p - W + 1 .. p; before the chunk start from the ring, else from scratch
+    logits_indices = cu[1:][sample_reqs] - 1
     W, Wr, Wp = geom.window, geom.ring_rows, geom.ring_page_rows
-    kpos = positions[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]
-    in_ring = kpos < tok_start[:, None]
-    ring_slot = tok_slot[:, None] * Wp + kpos.remainder(Wr)
-    flat = (torch.arange(N, device=dev) - positions)[:, None] + kpos  # flat row of a fresh key
-    win_idx = torch.where(in_ring, ring_slot, geom.scratch_base + flat)
-    win_idx = torch.where(kpos >= 0, win_idx, torch.full_like(win_idx, -1))
-    scratch = geom.scratch_base + torch.arange(N, device=dev)
-    keep = positions >= tok_end - Wr
-    ring_slots = torch.where(keep, tok_slot * Wp + positions.remainder(Wr), torch.full_like(positions, -1))
-    window = WindowPlan(win_idx, scratch, ring_slots)
-
-    plans = {}
+    ring_slots = np.where(positions >= tok_end - Wr, tok_slot * Wp + positions % Wr, -1)
+    arrays = [input_ids, positions, token_req, slots, logits_indices, starts[token_req], tok_slot, ring_slots]
     ps = geom.page_size
+    plan_host = []
     for r, overlap in geom.schedules:
         R = 2 * r if overlap else r
-        L = 2 * r if overlap else r
-        n_vis = torch.div(positions + 1, r, rounding_mode="floor").to(torch.int32)
         n_ent = ends // r
-        cmax = int(n_ent.max()) if B else 0
-        bt = block_tables[r]
-        e = torch.arange(cmax, device=dev)
-        pages = bt[slot_d][:, torch.div(e, ps, rounding_mode="floor")] if cmax else bt.new_zeros(B, 0)
-        entry_slots = torch.where(e[None, :] < t(n_ent)[:, None], pages * ps + e.remainder(ps), -1)
         first = starts // r
         nblk = n_ent - first
-        nb = int(nblk.sum())
-        if nb:
-            breq, brank = _expand(nblk, dev)
-            bidx = t(first)[breq] + brank
-            bslot = bt[slot_d[breq], torch.div(bidx, ps, rounding_mode="floor")] * ps + bidx.remainder(ps)
-            pos0 = bidx * r - (r if overlap else 0)
-            spos = pos0[:, None] + torch.arange(L, device=dev)[None, :]
-            bstart = start_d[breq][:, None]
-            is_fresh = spos >= bstart
-            src_fresh = (cu_d[breq][:, None] + spos - bstart).clamp(0, max(N - 1, 0))
-            src_state = slot_d[breq][:, None] * R + spos.remainder(R)
-            plan_blk = (bidx * r, bslot, src_fresh, src_state, is_fresh, spos >= 0, spos.remainder(r))
-        else:
-            z = torch.zeros(0, dtype=torch.int64, device=dev)
-            z2 = z.view(0, L)
-            plan_blk = (z, z, z2, z2, z2.bool(), z2.bool(), z2)
-        keep_s = positions >= tok_end - R
-        state_slots = torch.where(keep_s, tok_slot * R + positions.remainder(R), torch.full_like(positions, -1))
-        plans[(r, overlap)] = CompressPlan(r, overlap, R, ps, n_vis, cmax, entry_slots, nb, *plan_blk, state_slots)
+        breq = np.repeat(np.arange(B, dtype=np.int64), nblk)
+        nb = len(breq)
+        boff = np.zeros(B, np.int64)
+        np.cumsum(nblk[:-1], out=boff[1:])
+        bidx = first[breq] + np.arange(nb, dtype=np.int64) - boff[breq]
+        bslot = host_block_tables[r][slots[breq], bidx // ps] * ps + bidx % ps
+        state_slots = np.where(positions >= tok_end - R, tok_slot * R + positions % R, -1)
+        n_vis = (positions + 1) // r
+        k = len(arrays)
+        arrays += [n_vis, state_slots, n_ent, bidx * r, bslot, bidx * r - (r if overlap else 0), starts[breq],
+                   cu[:-1][breq], slots[breq]]
+        plan_host.append((r, overlap, R, int(n_ent.max()) if B else 0, nb, k))
+    d = _upload(arrays, dev)
+    ids, pos_d, token_req_d, slot_d, logits_d, tok_start_d, tok_slot_d, ring_d = d[:8]
 
-    return StepContext(N, B, ids, positions, token_req, slot_d, logits_indices, window, plans,
-                       starts, counts, sample_reqs)
+    ar_w = _arange(W, dev)
+    kpos = pos_d[:, None] - (W - 1) + ar_w[None, :]
+    ring_slot = tok_slot_d[:, None] * Wp + kpos.remainder(Wr)
+    fresh = geom.scratch_base + (_arange(N, dev) - pos_d)[:, None] + kpos
+    win_idx = torch.where(kpos < tok_start_d[:, None], ring_slot, fresh).masked_fill_(kpos < 0, -1)
+    window = WindowPlan(win_idx, geom.scratch_base + _arange(N, dev), ring_d)
+
+    plans = {}
+    for r, overlap, R, cmax, nb, k in plan_host:
+        n_vis, state_slots, n_ent, blk_pos, blk_slot, pos0, bstart, bcu, bslot_req = d[k:k + 9]
+        bt = block_tables[r]
+        if cmax:
+            e = _arange(cmax, dev)
+            entry_slots = (bt[slot_d][:, e // ps] * ps + e.remainder(ps)).masked_fill_(e[None, :] >= n_ent[:, None], -1)
+        else:
+            entry_slots = bt.new_zeros(B, 0)
+        L = 2 * r if overlap else r
+        spos = pos0[:, None] + _arange(L, dev)[None, :]
+        is_fresh = spos >= bstart[:, None]
+        src_fresh = (bcu[:, None] + spos - bstart[:, None]).clamp_(0, max(N - 1, 0))
+        src_state = bslot_req[:, None] * R + spos.remainder(R)
+        plans[(r, overlap)] = CompressPlan(r, overlap, R, ps, n_vis.to(torch.int32), cmax, entry_slots, nb, blk_pos,
+                                           blk_slot, src_fresh, src_state, is_fresh, spos >= 0, spos.remainder(r),
+                                           state_slots)
+
+    return StepContext(N, B, ids, pos_d, token_req_d, slot_d, logits_d, window, plans, starts, counts, sample_reqs)

@@ -144,7 +144,7 @@ class Engine:
             for row, i in enumerate(ctx.sample_reqs):
                 req = chunks[i].req
                 tok = toks[row]
-                req.output_token_ids.append(tok)
+                req.append_token(tok)
                 if req.first_token_time is None:
                     req.first_token_time = now
                 o = RequestOutput(req.request_id, req.prompt_token_ids, [tok])
@@ -166,6 +166,8 @@ class Engine:
                     self.scheduler.remove(req)
                     del self._reqs[req.request_id]
                     o.finished, o.finish_reason = True, reason
+                    o.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                                 "finish_time": now, "num_preemptions": req.num_preemptions}
                 outs.append(o)
         self.num_steps += 1
         self.step_times.append(time.perf_counter() - t0)

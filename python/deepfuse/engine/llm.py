@@ -73,6 +73,6 @@ class LLM:
                 if o.top_logprobs is not None:
                     a.top_logprobs = (a.top_logprobs or []) + o.top_logprobs
                 if o.finished:
-                    a.finished, a.finish_reason = True, o.finish_reason
+                    a.finished, a.finish_reason, a.metrics = True, o.finish_reason, o.metrics
                     done[o.request_id] = a
         return [done[rid] for rid in ids]

@@ -38,15 +38,22 @@ class ModelRunner:
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepContext:
         t0 = time.perf_counter()
-        B = len(chunks)
-        starts = np.fromiter((c.start for c in chunks), np.int64, B)
-        counts = np.fromiter((c.count for c in chunks), np.int64, B)
-        slots = np.fromiter((c.req.cache.slot for c in chunks), np.int64, B)
-        sample = np.fromiter((c.samples for c in chunks), bool, B)
-        N = int(counts.sum())
-        ids = np.fromiter(chain.from_iterable(c.req.tokens(c.start, c.start + c.count) for c in chunks), np.int64, N)
+        starts, counts, slots, sample, ids = [], [], [], [], []
+        for c in chunks:
+            req, a, n = c.req, c.start, c.count
+            starts.append(a)
+            counts.append(n)
+            slots.append(req.cache.slot)
+            sample.append(a + n == req.num_tokens)
+            if n == 1:
+                ids.append(req.token(a))
+            else:
+                ids.extend(req.tokens(a, a + n))
+        i64 = np.int64
+        starts, counts, slots, ids = (np.array(x, dtype=i64) for x in (starts, counts, slots, ids))
+        sample = np.array(sample, dtype=bool)
         ctx = build_context(ids, starts, counts, slots, sample, self.cache.geometry, self.cache.block_tables,
-                            self.device)
+                            self.device, self.cache.host_block_tables)
         self.last_prepare_s = time.perf_counter() - t0
         return ctx
 

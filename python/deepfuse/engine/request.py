@@ -77,9 +77,14 @@ class Request:
     num_preemptions: int = 0
     constraint: Optional[object] = None           # a token constraint (see Engine.add_request)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    num_tokens: int = 0                           # prompt + generated (kept by append_token)
+
+    def __post_init__(self):
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_token(self, tok: int) -> None:
+        self.output_token_ids.append(tok)
+        self.num_tokens += 1
 
     def token(self, i: int) -> int:
         n = len(self.prompt_token_ids)
@@ -103,3 +108,5 @@ class RequestOutput:
     finish_reason: Optional[str] = None           # "stop" | "length" | "abort"
     logprobs: Optional[list[float]] = None        # per token in token_ids, when asked
     top_logprobs: Optional[list[dict]] = None     # per token: {token id: logprob}, when logprobs > 0
+    metrics: Optional[dict] = None                # on the final output: arrival_time, first_token_time,
+                                                  # finish_time (time.perf_counter()), num_preemptions

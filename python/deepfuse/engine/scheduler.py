@@ -12,17 +12,17 @@ step is O(running requests).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+import bisect
 
 from .cache import CacheManager
 from .request import Request, Status
 
 
-@dataclass
 class ScheduledChunk:
-    req: Request
-    start: int   # first position of the chunk
-    count: int   # tokens
+    __slots__ = ("req", "start", "count")
+
+    def __init__(self, req: Request, start: int, count: int):
+        self.req, self.start, self.count = req, start, count  # tokens start .. start + count - 1
 
     @property
     def samples(self) -> bool:
@@ -36,7 +36,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order (oldest first)
+        self.running: list[Request] = []  # by arrival (oldest first)
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -71,8 +71,7 @@ class Scheduler:
     def _make_room(self, req: Request, tokens: int, scheduled: set) -> bool:
         """Free cache until `req` can hold `tokens` tokens; False if req itself was preempted."""
         while self.cache.free_tokens < tokens - req.cache.tokens:
-            victims = [r for r in self.running if id(r) not in scheduled]
-            victim = max(victims, key=lambda r: r.arrival)  # req is among them
+            victim = next(r for r in reversed(self.running) if id(r) not in scheduled)  # the newest; req is a candidate
             self._preempt(victim)
             if victim is req:
                 return False
@@ -82,40 +81,44 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledChunk] = []
         scheduled: set = set()
+        cache = self.cache
         # running requests: decode first, then prefill continuations, each oldest first
-        by_age = sorted(self.running, key=lambda r: r.arrival)
-        decode = [r for r in by_age if r.num_tokens - r.num_computed == 1]
-        prefill = [r for r in by_age if r.num_tokens - r.num_computed > 1]
-        for req in decode + prefill:
-            if budget == 0:
-                break
-            if req.status is not Status.RUNNING:  # preempted by an older request of this step
-                continue
-            n = min(req.num_tokens - req.num_computed, budget)
-            free = self.cache.free_tokens
-            if n > 1 and 0 < free < n:
-                n = free  # a smaller prefill chunk instead of a preemption
-            if not self._make_room(req, req.num_computed + n, scheduled):
-                continue
-            self.cache.grow(req.cache, req.num_computed + n)
-            out.append(ScheduledChunk(req, req.num_computed, n))
-            scheduled.add(id(req))
-            budget -= n
+        snapshot = list(self.running)
+        for want_decode in (True, False):
+            for req in snapshot:
+                if budget == 0:
+                    break
+                left = req.num_tokens - req.num_computed
+                if (left == 1) != want_decode or req.status is not Status.RUNNING:
+                    continue  # other pass, or preempted by an older request of this step
+                n = left if left < budget else budget
+                end = req.num_computed + n
+                if cache.max_total_tokens - cache.used_tokens < end - req.cache.tokens:
+                    free = cache.max_total_tokens - cache.used_tokens
+                    if n > 1 and free > 0:
+                        n = free  # a smaller prefill chunk instead of a preemption
+                        end = req.num_computed + n
+                    elif not self._make_room(req, end, scheduled):
+                        continue
+                cache.grow(req.cache, end)
+                out.append(ScheduledChunk(req, req.num_computed, n))
+                scheduled.add(id(req))
+                budget -= n
         # waiting requests, first come first served, leaving a token per running request
         # for its next step (admitting into the last free tokens would preempt at once)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.cache.free_slots:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and cache.free_slots:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget, self.cache.free_tokens - len(self.running))
+            n = min(req.num_tokens, budget, cache.free_tokens - len(self.running))
             if n <= 0:
                 break
             self.waiting.popleft()
-            req.cache = self.cache.admit()
+            req.cache = cache.admit()
             req.status = Status.RUNNING
             req.num_computed = 0
-            self.running.append(req)
-            self.cache.grow(req.cache, n)
+            bisect.insort(self.running, req, key=lambda r: r.arrival)
+            cache.grow(req.cache, n)
             out.append(ScheduledChunk(req, 0, n))
             scheduled.add(id(req))
             budget -= n
-        self.cache.flush()
+        cache.flush()
         return out

@@ -1,0 +1,112 @@
+"""Engine overhead: host time per decode step in scheduling + step-context building, and the
+engine's decode step against a bare forward of the model at the same batch.
+
+    python -m microbench.bench_engine [--out DIR] [--batches 1 64 256] [--context 512]
+                                      [--model tiny] [--device cuda|cpu] [--kv-dtype auto]
+
+B requests with `context`-token prompts are prefilled, then decode steps are timed:
+- prep_ms: host time of Scheduler.schedule() + ModelRunner.prepare() (the step context),
+  the figure the engine must keep small (goal: <= 0.3 ms at B = 256);
+- step_ms: one whole engine step (schedule, context, forward, sampler, token read-back,
+  bookkeeping), wall time;
+- forward_ms: model.forward_step on a prepared context alone (synchronised), the bare
+  forward at the same batch; overhead = step_ms / forward_ms.
+Runs on the GPU when there is one (the tiny model there mostly measures launch overhead).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def bench(llm, B: int, context: int, steps: int) -> dict:
+    from deepfuse.engine import SamplingParams
+
+    eng = llm.engine
+    dev = llm.model.device
+    V = llm.model.cfg.vocab_size
+    g = torch.Generator().manual_seed(B)
+    for i in range(B):
+        eng.add_request(f"b{B}-{i}", torch.randint(0, V, (context,), generator=g).tolist(),
+                        SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    while any(r.num_tokens - r.num_computed > 1 or r.num_computed == 0 for r in eng.scheduler.running) \
+            or eng.scheduler.waiting:
+        eng.step()  # prefill (and the first tokens)
+    assert len(eng.scheduler.running) == B
+    prep, step = [], []
+    for _ in range(steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        eng.step()
+        step.append(time.perf_counter() - t0)
+        prep.append(eng.prepare_times[-1])
+    # the bare forward on the context of one more decode step
+    chunks = eng.scheduler.schedule()
+    ctx = eng.runner.prepare(chunks)
+    fwd = []
+    with torch.no_grad():
+        for _ in range(max(3, steps // 2)):
+            _sync(dev)
+            t0 = time.perf_counter()
+            eng.model.forward_step(ctx, eng.cache)
+            _sync(dev)
+            fwd.append(time.perf_counter() - t0)
+    for c in chunks:  # hand the scheduled step back: release everything
+        c.req.num_computed = c.start
+    for rid in list(eng._reqs):
+        eng.abort(rid)
+    eng.step()
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    return {"B": B, "context": context, "prep_ms": med(prep), "prep_p90_ms": sorted(prep)[int(0.9 * len(prep))] * 1e3,
+            "step_ms": med(step), "forward_ms": med(fwd), "overhead": med(step) / med(fwd)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 64, 256])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--kv-dtype", default="auto")
+    a = ap.parse_args(argv)
+    from deepfuse.engine import LLM
+
+    if a.quick:
+        a.steps = min(a.steps, 8)
+    dev = torch.device(a.device)
+    B_max = max(a.batches)
+    llm = LLM(a.model, device=dev, kv_dtype=a.kv_dtype, max_num_seqs=B_max,
+              max_num_batched_tokens=max(2048, a.context * 4), max_total_tokens=B_max * (a.context + a.steps + 64))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"# engine overhead | {name} | model {a.model} | kv {a.kv_dtype} | context {a.context}")
+    rows = [bench(llm, B, a.context, a.steps) for B in a.batches]
+    heads = ["B", "context", "prep_ms", "prep_p90_ms", "step_ms", "forward_ms", "overhead"]
+    print("  ".join(f"{h:>11}" for h in heads))
+    for r in rows:
+        print("  ".join(f"{r[h]:>11.3f}" if isinstance(r[h], float) else f"{r[h]:>11}" for h in heads))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import os
+    meta = {"device": name, "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": os.environ.get("DEEPFUSE_COMMIT", "unknown"), "torch": torch.__version__, "model": a.model,
+            "kv_dtype": a.kv_dtype}
+    (out / "engine.json").write_text(json.dumps({"kernel": "engine", "context": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
