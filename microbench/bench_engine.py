@@ -40,20 +40,26 @@ def bench(llm, B: int, context: int, steps: int) -> dict:
     for i in range(B):
         eng.add_request(f"b{B}-{i}", torch.randint(0, V, (context,), generator=g).tolist(),
                         SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-    while any(r.num_tokens - r.num_computed > 1 or r.num_computed == 0 for r in eng.scheduler.running) \
-            or eng.scheduler.waiting:
-        eng.step()  # prefill (and the first tokens)
-    assert len(eng.scheduler.running) == B
-    prep, step = [], []
+    for _ in range(10 * B + 100):  # prefill (and the first tokens)
+        if not eng.scheduler.waiting and all(r.num_tokens - r.num_computed == 1 for r in eng.scheduler.running):
+            break
+        for o in eng.step():
+            if o.finished:
+                print(f"  note: {o.request_id} finished during prefill ({o.finish_reason})")
+    if len(eng.scheduler.running) != B:
+        raise RuntimeError(f"{len(eng.scheduler.running)} running after prefill, expected {B}: {eng.stats()}")
+    prep, sched, step = [], [], []
     for _ in range(steps):
         _sync(dev)
         t0 = time.perf_counter()
         eng.step()
         step.append(time.perf_counter() - t0)
         prep.append(eng.prepare_times[-1])
+        sched.append(eng.prepare_times[-1] - eng.runner.last_prepare_s)
     # the bare forward on the context of one more decode step
     chunks = eng.scheduler.schedule()
     ctx = eng.runner.prepare(chunks)
+    assert ctx.num_tokens == B, (ctx.num_tokens, B)
     fwd = []
     with torch.no_grad():
         for _ in range(max(3, steps // 2)):
@@ -68,7 +74,7 @@ def bench(llm, B: int, context: int, steps: int) -> dict:
         eng.abort(rid)
     eng.step()
     med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
-    return {"B": B, "context": context, "prep_ms": med(prep), "prep_p90_ms": sorted(prep)[int(0.9 * len(prep))] * 1e3,
+    return {"B": B, "context": context, "sched_ms": med(sched), "prep_ms": med(prep), "prep_p90_ms": sorted(prep)[int(0.9 * len(prep))] * 1e3,
             "step_ms": med(step), "forward_ms": med(fwd), "overhead": med(step) / med(fwd)}
 
 
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"# engine overhead | {name} | model {a.model} | kv {a.kv_dtype} | context {a.context}")
     rows = [bench(llm, B, a.context, a.steps) for B in a.batches]
-    heads = ["B", "context", "prep_ms", "prep_p90_ms", "step_ms", "forward_ms", "overhead"]
+    heads = ["B", "context", "sched_ms", "prep_ms", "prep_p90_ms", "step_ms", "forward_ms", "overhead"]
     print("  ".join(f"{h:>11}" for h in heads))
     for r in rows:
         print("  ".join(f"{r[h]:>11.3f}" if isinstance(r[h], float) else f"{r[h]:>11}" for h in heads))

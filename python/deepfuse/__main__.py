@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]
     print(f"time to first token: mean {statistics.mean(ttft) * 1e3:.1f} ms, max {max(ttft) * 1e3:.1f} ms")
     print(f"step time: mean {statistics.mean(steps) * 1e3:.2f} ms, median {statistics.median(steps) * 1e3:.2f} ms | "
-          f"host scheduling + context: mean {statistics.mean(prep) * 1e3:.3f} ms per step")
+          f"host scheduling + context: median {statistics.median(prep) * 1e3:.3f} ms per step")
     print(f"cache: peak {st['peak_used_tokens']} of {st['max_total_tokens']} tokens | "
           f"preemptions {st['num_preemptions']}")
     print("request 0 continuation:", outs[0].token_ids)
