@@ -39,7 +39,7 @@ def bench(llm, B: int, context: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(B)
     for i in range(B):
         eng.add_request(f"b{B}-{i}", torch.randint(0, V, (context,), generator=g).tolist(),
-                        SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+                        SamplingParams(max_tokens=1000, ignore_eos=True))
     for _ in range(10 * B + 100):  # prefill (and the first tokens)
         if not eng.scheduler.waiting and all(r.num_tokens - r.num_computed == 1 for r in eng.scheduler.running):
             break
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     B_max = max(a.batches)
     llm = LLM(a.model, device=dev, kv_dtype=a.kv_dtype, max_num_seqs=B_max,
-              max_num_batched_tokens=max(2048, a.context * 4), max_total_tokens=B_max * (a.context + a.steps + 64))
+              max_num_batched_tokens=max(2048, a.context * 4), max_total_tokens=B_max * (a.context + 1100))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"# engine overhead | {name} | model {a.model} | kv {a.kv_dtype} | context {a.context}")
     rows = [bench(llm, B, a.context, a.steps) for B in a.batches]
