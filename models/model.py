@@ -72,16 +72,31 @@ class V4Model(nn.Module):
         logits = self.head(self.norm(mhc.head(self, x, self.cfg))).float()
         return (logits, x) if return_streams else logits
 
-    def forward_step(self, ctx, cache) -> torch.Tensor:
+    def forward_step(self, ctx, cache, *, return_streams: bool = False):
         """One engine step over the flat batch of `ctx` (deepfuse.engine.context.StepContext)
         with the engine's cache (CacheManager): -> logits [R, vocab] (fp32) of the rows
-        ctx.logits_indices. Writes every layer's cache state for the step's tokens."""
+        ctx.logits_indices (and the final streams [N, hc, d], the MTP layer's input). Writes
+        every layer's cache state for the step's tokens."""
         ids = ctx.input_ids
         x = mhc.expand(self.embed(ids).to(self.dtype), self.cfg)[None]  # [1, N, hc, d]
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx.positions, self.ropes, ids[None], ctx, cache.layer(i))
         h = x[0, ctx.logits_indices]
-        return self.head(self.norm(mhc.head(self, h, self.cfg))).float()
+        logits = self.head(self.norm(mhc.head(self, h, self.cfg))).float()
+        return (logits, x[0]) if return_streams else logits
+
+    def mtp_forward_step(self, ctx, cache, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0):
+        """One flat engine step of MTP layer `layer` (its cache is cache.layer(num layers +
+        layer)): streams [N, hc, d] at the ctx's positions (the main model's final streams,
+        or this layer's own output streams when drafting a chain) and next_ids [N], the token
+        after each position -> (logits [R, vocab] fp32 at ctx.logits_indices, the layer's
+        output streams [N, hc, d])."""
+        mtp = self.mtp[layer]
+        emb = self.embed(next_ids).to(self.dtype)
+        x = (mtp.e_proj(mtp.enorm(emb)).unsqueeze(-2) + mtp.h_proj(mtp.hnorm(streams)))[None]
+        x = Block.forward(mtp, x, ctx.positions, self.ropes, next_ids[None], ctx, cache.layer(len(self.layers) + layer))
+        h = x[0, ctx.logits_indices]
+        return self.head(mtp.norm(mhc.head(mtp, h, self.cfg))).float(), x[0]
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0):
         """MTP layer `layer` over whole sequences: streams [B, T, hc, d] at positions 0.. and

@@ -26,8 +26,7 @@ def run_chunks(model, x: torch.Tensor, cuts, kv_dtype: str = "auto", page_size: 
         cache.flush()
         n = b - a
         ctx = build_context(xs[:, a:b].reshape(-1), np.full(B, a), np.full(B, n), np.array([rc.slot for rc in rcs]),
-                            np.ones(B, bool), cache.geometry, cache.block_tables, model.device,
+                            np.full(B, n), cache.geometry, cache.block_tables, model.device,
                             cache.host_block_tables)
-        ctx.logits_indices = torch.arange(B * n, device=model.device)
         out.append(model.forward_step(ctx, cache).view(B, n, -1))
     return torch.cat(out, 1)

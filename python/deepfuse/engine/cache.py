@@ -100,7 +100,7 @@ class ReqCache:
 class CacheManager:
     def __init__(self, cfg, *, model_dtype: torch.dtype, device, kv_dtype: str = "auto", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_total_tokens: int = 65536, max_model_len: int = 65536,
-                 page_size: int = 64, spec_tokens: int = 1):
+                 page_size: int = 64, num_draft_tokens: int = 0, num_mtp_layers: int = 0):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"deepfuse: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.cfg, self.device = cfg, torch.device(device)
@@ -117,17 +117,19 @@ class CacheManager:
         self.max_total_tokens = max_total_tokens
         self.page_size = ps = page_size
         W = cfg.sliding_window
-        Wr = W + spec_tokens - 1
+        extra = max(num_draft_tokens - 1, 0)  # rejected drafts must not overwrite live ring rows
+        Wr = W + extra
         Wp = F.round_up(Wr, F.PAGE_ALIGN_ROWS)
         scratch = -(-max_num_batched_tokens // Wp)
-        types = list(cfg.layer_types)
+        # main layers, then the MTP (draft) layers: layer(len(cfg.layer_types) + j) is MTP layer j
+        types = list(cfg.layer_types) + list(cfg.mtp_layer_types[:num_mtp_layers])
         self.layer_ratio = [cfg.compress_ratio(t) for t in types]
         schedules = []
         for t in types:
             r = cfg.compress_ratio(t)
             if r and (r, t == "compressed_sparse_attention") not in schedules:
                 schedules.append((r, t == "compressed_sparse_attention"))
-        self.geometry = CacheGeometry(W, Wr, Wp, S * Wp, tuple(schedules), ps)
+        self.geometry = CacheGeometry(W, Wr, Wp, S * Wp, tuple(schedules), ps, extra)
         dev = self.device
         L = len(types)
         self.ring = self._kv_pool(L, S + scratch + 1, Wp, D)
@@ -151,7 +153,7 @@ class CacheManager:
             maxp = max(1, -(-(max_model_len // r) // ps))
             self.block_tables[r] = torch.zeros(S, maxp, dtype=torch.int64, device=dev)
             self.host_block_tables[r] = np.zeros((S, maxp), dtype=np.int64)
-            R = 2 * r if overlap else r
+            R = (2 * r if overlap else r) + extra
             coff = 2 if overlap else 1
             self.states[(r, "attn")] = self._state(n, S * R + 1, coff * D)
             if overlap:

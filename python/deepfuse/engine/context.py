@@ -13,7 +13,8 @@ live in the ring pages: request slot s holds position p at slot s * Wp + p % Wr;
 step itself are first written to scratch pages (slot scratch_base + flat row) so that every
 query reads its own window, even inside a prefill chunk longer than the ring, and only then
 the last Wr rows of each request go to the ring. Compressor state: per request slot a ring of
-R = 2r (overlapping) or r rows of un-pooled projections, row s * R + p % R.
+R = 2r (overlapping) or r rows of un-pooled projections (plus draft tokens - 1 under
+speculation, so that rejected drafts never overwrite a live row), row s * R + p % R.
 """
 from __future__ import annotations
 
@@ -61,13 +62,14 @@ class StepContext:
     positions: torch.Tensor       # [N] int64
     token_req: torch.Tensor       # [N] int64 index (0..B-1) of each token's request in the step
     req_slots: torch.Tensor       # [B] int64 request (ring / state) slots
-    logits_indices: torch.Tensor  # [R] int64 flat rows whose next-token logits are sampled
+    logits_indices: torch.Tensor  # [R] int64 flat rows whose next-token logits are computed
     window: WindowPlan
     plans: dict[tuple[int, bool], CompressPlan]
     # host copies
     starts: np.ndarray            # [B] first position of each request's chunk
     counts: np.ndarray            # [B] tokens of each request in the step
-    sample_reqs: np.ndarray       # [R] request index (0..B-1) of each sampled row
+    logits_req: np.ndarray        # [R] request index (0..B-1) of each logits row
+    num_logits: np.ndarray        # [B] logits rows of each request (its last rows)
     _rope: dict = field(default_factory=dict)
 
     def rope(self, kind: str, table) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +90,7 @@ class CacheGeometry:
     scratch_base: int             # first scratch slot (after every request slot's ring page)
     schedules: tuple[tuple[int, bool], ...]  # (ratio, overlap) of the model's compressors
     page_size: int                # rows per compressed page
+    state_extra: int = 0          # extra compressor-state ring rows (draft tokens - 1)
 
 
 class _Upload:
@@ -135,10 +138,11 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 
 def build_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: np.ndarray,
-                  sample: np.ndarray, geom: CacheGeometry, block_tables: dict[int, torch.Tensor],
+                  num_logits: np.ndarray, geom: CacheGeometry, block_tables: dict[int, torch.Tensor],
                   device, host_block_tables: dict[int, np.ndarray]) -> StepContext:
     """input_ids [N] (the step's tokens, request after request), per request: starts, counts,
-    slots (request slots), sample (bool: sample the token after its last row);
+    slots (request slots), num_logits (how many of its last rows get logits: 0, 1, or all of
+    a verify chunk);
     block_tables[ratio]: the device block table [num_slots, max_pages] of that ratio and
     host_block_tables[ratio] its host copy. Per-token arrays are computed here with numpy
     and copied to the device in one transfer; the [N, W] / [B, C] / [blocks, L] index
@@ -152,15 +156,19 @@ def build_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     token_req = np.repeat(np.arange(B, dtype=np.int64), counts)
     positions = np.arange(N, dtype=np.int64) + (starts - cu[:-1])[token_req]
     tok_slot, tok_end = slots[token_req], ends[token_req]
-    sample_reqs = np.nonzero(sample)[0]
-    logits_indices = cu[1:][sample_reqs] - 1
+    num_logits = np.asarray(num_logits, dtype=np.int64)
+    logits_req = np.repeat(np.arange(B, dtype=np.int64), num_logits)
+    R = len(logits_req)
+    loff = np.zeros(B, np.int64)
+    np.cumsum(num_logits[:-1], out=loff[1:])
+    logits_indices = (cu[1:] - num_logits)[logits_req] + np.arange(R, dtype=np.int64) - loff[logits_req]
     W, Wr, Wp = geom.window, geom.ring_rows, geom.ring_page_rows
     ring_slots = np.where(positions >= tok_end - Wr, tok_slot * Wp + positions % Wr, -1)
     arrays = [input_ids, positions, token_req, slots, logits_indices, starts[token_req], tok_slot, ring_slots]
     ps = geom.page_size
     plan_host = []
     for r, overlap in geom.schedules:
-        R = 2 * r if overlap else r
+        Rs = (2 * r if overlap else r) + geom.state_extra
         n_ent = ends // r
         first = starts // r
         nblk = n_ent - first
@@ -170,12 +178,12 @@ def build_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
         np.cumsum(nblk[:-1], out=boff[1:])
         bidx = first[breq] + np.arange(nb, dtype=np.int64) - boff[breq]
         bslot = host_block_tables[r][slots[breq], bidx // ps] * ps + bidx % ps
-        state_slots = np.where(positions >= tok_end - R, tok_slot * R + positions % R, -1)
+        state_slots = np.where(positions >= tok_end - Rs, tok_slot * Rs + positions % Rs, -1)
         n_vis = (positions + 1) // r
         k = len(arrays)
         arrays += [n_vis, state_slots, n_ent, bidx * r, bslot, bidx * r - (r if overlap else 0), starts[breq],
                    cu[:-1][breq], slots[breq]]
-        plan_host.append((r, overlap, R, int(n_ent.max()) if B else 0, nb, k))
+        plan_host.append((r, overlap, Rs, int(n_ent.max()) if B else 0, nb, k))
     d = _upload(arrays, dev)
     ids, pos_d, token_req_d, slot_d, logits_d, tok_start_d, tok_slot_d, ring_d = d[:8]
 
@@ -204,4 +212,5 @@ def build_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                                            blk_slot, src_fresh, src_state, is_fresh, spos >= 0, spos.remainder(r),
                                            state_slots)
 
-    return StepContext(N, B, ids, pos_d, token_req_d, slot_d, logits_d, window, plans, starts, counts, sample_reqs)
+    return StepContext(N, B, ids, pos_d, token_req_d, slot_d, logits_d, window, plans, starts, counts, logits_req,
+                       num_logits)

@@ -12,6 +12,7 @@ from .cache import CacheManager, default_total_tokens
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, SamplingParams
 from .scheduler import Scheduler
+from .speculative import Emission, SpecDecoder
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,20 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     page_size: int = 64
     seed: int = 0
+    num_speculative_tokens: int = 0          # MTP drafts per step (0: no speculation)
+    spec_simulate_acc_len: Optional[float] = None  # benchmark knob: accept this many tokens per step on average
 
     def validate(self) -> "EngineConfig":
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"deepfuse: {name} must be an int >= 1, got {v!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 8:
+            raise ValueError(f"deepfuse: num_speculative_tokens must be an int in [0, 8], got {k!r}")
+        a = self.spec_simulate_acc_len
+        if a is not None and not (isinstance(a, (int, float)) and 1 <= a <= k + 1):
+            raise ValueError(f"deepfuse: spec_simulate_acc_len must be in [1, num_speculative_tokens + 1], got {a!r}")
         for name in ("max_total_tokens", "max_model_len"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -51,9 +60,15 @@ class Engine:
         self.cache = CacheManager(cfg, model_dtype=model.dtype, device=model.device, kv_dtype=config.kv_dtype,
                                   max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens, max_total_tokens=total,
-                                  max_model_len=self.max_model_len, page_size=config.page_size)
+                                  max_model_len=self.max_model_len, page_size=config.page_size,
+                                  num_draft_tokens=config.num_speculative_tokens,
+                                  num_mtp_layers=1 if config.num_speculative_tokens else 0)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache)
+        self.spec = None
+        if config.num_speculative_tokens:
+            self.spec = SpecDecoder(model, self.cache, self.runner, config.num_speculative_tokens,
+                                    simulate_acc_len=config.spec_simulate_acc_len)
         self._reqs: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._arrivals = 0
@@ -125,6 +140,41 @@ class Engine:
             return "length"
         return None
 
+    def _emissions(self, chunks) -> tuple[list, Optional[torch.Tensor], object]:
+        """Forward + sampling (or verification) -> (per chunk Emission or None, final streams
+        when speculating, the step context)."""
+        r = self.runner
+        ctx = r.prepare(chunks)
+        if self.spec is None:
+            logits = r.forward(chunks, ctx)
+            out: list = [Emission([], c.count) for c in chunks]
+            if logits.shape[0]:
+                res = r.sampler(logits, r.sampling_batch(chunks, ctx))
+                toks = res.tokens.tolist()
+                lps = res.logprobs.tolist() if res.logprobs is not None else None
+                tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
+                for row, i in enumerate(ctx.logits_req):
+                    e = out[i]
+                    e.tokens = [toks[row]]
+                    n = chunks[i].req.params.logprobs
+                    if n is not None:
+                        e.logprobs = [lps[row]]
+                        if n > 0:
+                            e.top_logprobs = [dict(zip(tops[0][row][:n], tops[1][row][:n]))]
+            return out, None, ctx
+        logits, streams = r.forward(chunks, ctx, return_streams=True)
+        return self.spec.verify(chunks, ctx, logits), streams, ctx
+
+    def _reserve_drafts(self, req: Request, k: int) -> int:
+        """Drafts req may verify next step within the cache budget (they are reserved)."""
+        k = max(0, min(k, self.max_model_len - req.num_tokens - 1))
+        free = self.cache.free_tokens + req.cache.tokens
+        k = max(0, min(k, free - req.num_tokens))
+        if k:
+            self.cache.grow(req.cache, req.num_tokens + k)
+            self.cache.flush()
+        return k
+
     def step(self) -> list[RequestOutput]:
         outs = [RequestOutput(r.request_id, r.prompt_token_ids, [], True, "abort") for r in self._aborted]
         self._aborted.clear()
@@ -133,42 +183,43 @@ class Engine:
         t_sched = time.perf_counter() - t0
         if not chunks:
             return outs
-        ctx, res = self.runner.run(chunks)
-        for c in chunks:
-            c.req.num_computed += c.count
-        if res is not None:
-            toks = res.tokens.tolist()
-            lps = res.logprobs.tolist() if res.logprobs is not None else None
-            tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
-            now = time.perf_counter()
-            for row, i in enumerate(ctx.sample_reqs):
-                req = chunks[i].req
-                tok = toks[row]
+        emissions, streams, ctx = self._emissions(chunks)
+        now = time.perf_counter()
+        for c, e in zip(chunks, emissions):
+            req = c.req
+            req.num_computed = c.start + e.computed
+            if not e.tokens:
+                continue
+            o = RequestOutput(req.request_id, req.prompt_token_ids, [])
+            reason = None
+            for t, tok in enumerate(e.tokens):
                 req.append_token(tok)
+                o.token_ids.append(tok)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                o = RequestOutput(req.request_id, req.prompt_token_ids, [tok])
-                lp = req.params.logprobs
-                if lp is not None:
-                    req.logprobs.append(lps[row])
-                    o.logprobs = [lps[row]]
-                    if lp > 0:
-                        d = dict(zip(tops[0][row][:lp], tops[1][row][:lp]))
-                        req.top_logprobs.append(d)
-                        o.top_logprobs = [d]
+                if e.logprobs is not None:
+                    req.logprobs.append(e.logprobs[t])
+                    o.logprobs = (o.logprobs or []) + [e.logprobs[t]]
+                if e.top_logprobs is not None:
+                    req.top_logprobs.append(e.top_logprobs[t])
+                    o.top_logprobs = (o.top_logprobs or []) + [e.top_logprobs[t]]
                 reason = self._finish_reason(req, tok)
                 if req.constraint is not None:
                     ok = req.constraint.accept_token(tok)
                     if (not ok or req.constraint.is_terminated()) and reason is None:
                         reason = "stop"
                 if reason is not None:
-                    req.finish_reason = reason
-                    self.scheduler.remove(req)
-                    del self._reqs[req.request_id]
-                    o.finished, o.finish_reason = True, reason
-                    o.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                                 "finish_time": now, "num_preemptions": req.num_preemptions}
-                outs.append(o)
+                    break
+            if reason is not None:
+                req.finish_reason = reason
+                self.scheduler.remove(req)
+                del self._reqs[req.request_id]
+                o.finished, o.finish_reason = True, reason
+                o.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                             "finish_time": now, "num_preemptions": req.num_preemptions}
+            outs.append(o)
+        if self.spec is not None:
+            self.spec.propose(chunks, emissions, streams, ctx, self._reserve_drafts)
         self.num_steps += 1
         self.step_times.append(time.perf_counter() - t0)
         self.prepare_times.append(t_sched + self.runner.last_prepare_s)
@@ -188,6 +239,7 @@ class Engine:
             "pages_in_use": c.pages_in_use(),
             "cache_bytes": c.nbytes(),
             "kv_dtype": c.kv_dtype,
+            **({"spec": self.spec.stats.as_dict()} if self.spec is not None else {}),
         }
 
 

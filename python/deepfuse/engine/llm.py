@@ -32,9 +32,10 @@ def _load(model, device, dtype):
 class LLM:
     def __init__(self, model, device=None, dtype: Optional[torch.dtype] = None, kv_dtype: str = "auto",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_total_tokens: Optional[int] = None,
-                 max_model_len: Optional[int] = None, **engine_kw):
+                 max_model_len: Optional[int] = None, num_speculative_tokens: int = 0, **engine_kw):
         cfg = EngineConfig(kv_dtype=kv_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           max_total_tokens=max_total_tokens, max_model_len=max_model_len, **engine_kw).validate()
+                           max_total_tokens=max_total_tokens, max_model_len=max_model_len,
+                           num_speculative_tokens=num_speculative_tokens, **engine_kw).validate()
         self.model = _load(model, device, dtype)
         self.engine = Engine(self.model, cfg)
         self._next = 0

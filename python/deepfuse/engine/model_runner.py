@@ -38,27 +38,32 @@ class ModelRunner:
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepContext:
         t0 = time.perf_counter()
-        starts, counts, slots, sample, ids = [], [], [], [], []
+        starts, counts, slots, nlog, ids = [], [], [], [], []
         for c in chunks:
             req, a, n = c.req, c.start, c.count
             starts.append(a)
             counts.append(n)
             slots.append(req.cache.slot)
-            sample.append(a + n == req.num_tokens)
+            if req.drafts and a + 1 == req.num_tokens:  # verify: the last token, then the drafts
+                ids.append(req.token(a))
+                ids.extend(req.drafts)
+                nlog.append(n)
+                continue
+            nlog.append(1 if a + n == req.num_tokens else 0)
             if n == 1:
                 ids.append(req.token(a))
             else:
                 ids.extend(req.tokens(a, a + n))
         i64 = np.int64
         starts, counts, slots, ids = (np.array(x, dtype=i64) for x in (starts, counts, slots, ids))
-        sample = np.array(sample, dtype=bool)
-        ctx = build_context(ids, starts, counts, slots, sample, self.cache.geometry, self.cache.block_tables,
+        ctx = build_context(ids, starts, counts, slots, np.array(nlog, dtype=i64), self.cache.geometry,
+                            self.cache.block_tables,
                             self.device, self.cache.host_block_tables)
         self.last_prepare_s = time.perf_counter() - t0
         return ctx
 
     def sampling_batch(self, chunks: list[ScheduledChunk], ctx: StepContext) -> SamplingBatch:
-        reqs = [chunks[i].req for i in ctx.sample_reqs]
+        reqs = [chunks[i].req for i in ctx.logits_req]
         ps = [r.params for r in reqs]
         nlp = max((p.logprobs or 0 for p in ps), default=0)
         return SamplingBatch.from_lists(
@@ -67,14 +72,15 @@ class ModelRunner:
             want_logprobs=any(p.logprobs is not None for p in ps), device=self.device)
 
     @torch.no_grad()
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[StepContext, Optional[SamplerOutput]]:
-        ctx = self.prepare(chunks)
-        logits = self.model.forward_step(ctx, self.cache)
-        if logits.shape[0] == 0:
-            return ctx, None
-        reqs = [chunks[i].req for i in ctx.sample_reqs]
-        if any(r.constraint is not None for r in reqs):
-            logits = apply_constraints(logits, reqs)
-        if self.captured is not None:
-            self.captured.append(([chunks[i].req.request_id for i in ctx.sample_reqs], logits.cpu()))
-        return ctx, self.sampler(logits, self.sampling_batch(chunks, ctx))
+    def forward(self, chunks: list[ScheduledChunk], ctx: StepContext, *, return_streams: bool = False):
+        """The model's flat forward -> logits [R, V] (constraint masks applied), and the final
+        streams [N, hc, d] if asked."""
+        out = self.model.forward_step(ctx, self.cache, return_streams=return_streams)
+        logits = out[0] if return_streams else out
+        if logits.shape[0]:
+            reqs = [chunks[i].req for i in ctx.logits_req]
+            if any(r.constraint is not None for r in reqs):
+                logits = apply_constraints(logits, reqs)
+            if self.captured is not None:
+                self.captured.append(([r.request_id for r in reqs], logits.cpu()))
+        return (logits, out[1]) if return_streams else logits

@@ -76,6 +76,8 @@ class Request:
     arrival_time: float = 0.0
     num_preemptions: int = 0
     constraint: Optional[object] = None           # a token constraint (see Engine.add_request)
+    drafts: list[int] = field(default_factory=list)  # draft tokens proposed for the next verify step
+    draft_logq: Optional[object] = None           # their draft log-probs [k, V] (sampled requests)
 
     num_tokens: int = 0                           # prompt + generated (kept by append_token)
 

@@ -63,6 +63,21 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
+def uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """fp64 uniform (0, 1) [R], one per (seed, position): element 0 of the splitmix64 stream
+    keyed like gumbel_noise's (use a derived seed for a separate stream)."""
+    z = _mix64(_mix64(_mix64(seed) + position))
+    return (_srl(z, 12).double() + 0.5) * 2.0 ** -52
+
+
+def derive_seed(seed: int, stream: int) -> int:
+    """A separate, reproducible noise stream of a request (stream > 0)."""
+    z = (seed + stream * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
 def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """fp64 Gumbel noise [R, N] for rows (seed [R], position [R]) and token ids [N] (int64):
     element v of the splitmix64 stream keyed by mix(mix(seed) + position)."""
@@ -162,10 +177,8 @@ class Sampler:
         return out
 
     @staticmethod
-    def _sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
-        if b.all_greedy:
-            return greedy
+    def _scores(logits: torch.Tensor, b: SamplingBatch):
+        """-> (s = logits / T in fp64 with the filtered-out tokens at -inf, temperature)."""
         temp = b.temperature.float()
         s = logits / torch.where(temp > 0, temp, 1.0)[:, None]
         keep = _filter_mask(s, b) if (b.any_top_p or b.max_top_k > 0) else None
@@ -174,8 +187,35 @@ class Sampler:
             log_min_p = b.min_p.double().log()[:, None]
             min_p_keep = s64 - s64.amax(-1, keepdim=True) >= log_min_p
             keep = min_p_keep if keep is None else keep & min_p_keep
-        vocab = torch.arange(s.shape[1], device=s.device)
-        scores = s64.add_(gumbel_noise(b.seed.long(), b.position.long(), vocab))
         if keep is not None:
-            scores.masked_fill_(~keep, float("-inf"))
+            s64.masked_fill_(~keep, float("-inf"))
+        return s64, temp
+
+    def log_probs(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """fp64 [R, V]: the log of the distribution each row samples from (temperature and
+        filters applied, renormalised; -inf outside it); greedy rows: 0 at the argmax (lowest
+        id on ties), -inf elsewhere. Speculative decoding's p and q."""
+        logits = logits.float()
+        greedy = torch.full(logits.shape, float("-inf"), dtype=torch.float64, device=logits.device)
+        greedy.scatter_(1, logits.argmax(-1, keepdim=True), 0.0)
+        if b.all_greedy:
+            return greedy
+        s, temp = self._scores(logits, b)
+        return torch.where(temp[:, None] > 0, torch.log_softmax(s, dim=-1), greedy)
+
+    @staticmethod
+    def sample_log_probs(logp: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Tokens [R] drawn from the distributions exp(logp) [R, V] with the (seed, position)
+        noise stream (Gumbel-max; the same draw _sample makes from the same distribution)."""
+        vocab = torch.arange(logp.shape[1], device=logp.device)
+        return (logp + gumbel_noise(seed.long(), position.long(), vocab)).argmax(dim=-1)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if b.all_greedy:
+            return greedy
+        s64, temp = Sampler._scores(logits, b)
+        vocab = torch.arange(s64.shape[1], device=s64.device)
+        scores = s64.add_(gumbel_noise(b.seed.long(), b.position.long(), vocab))
         return torch.where(temp > 0, scores.argmax(dim=-1), greedy)

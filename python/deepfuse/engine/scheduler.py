@@ -55,6 +55,7 @@ class Scheduler:
         req.status = Status.FINISHED
 
     def _free(self, req: Request) -> None:
+        req.drafts, req.draft_logq = [], None
         if req.cache is not None:
             self.cache.release(req.cache)
             req.cache = None
@@ -92,10 +93,16 @@ class Scheduler:
                 if (left == 1) != want_decode or req.status is not Status.RUNNING:
                     continue  # other pass, or preempted by an older request of this step
                 n = left if left < budget else budget
+                if left == 1 and req.drafts:  # verify the drafts too, as far as the budget allows
+                    n = min(1 + len(req.drafts), budget)
+                    if n - 1 < len(req.drafts):
+                        del req.drafts[n - 1:]
+                        if req.draft_logq is not None:
+                            req.draft_logq = req.draft_logq[:n - 1]
                 end = req.num_computed + n
                 if cache.max_total_tokens - cache.used_tokens < end - req.cache.tokens:
                     free = cache.max_total_tokens - cache.used_tokens
-                    if n > 1 and free > 0:
+                    if n > 1 and free > 0 and left > 1:
                         n = free  # a smaller prefill chunk instead of a preemption
                         end = req.num_computed + n
                     elif not self._make_room(req, end, scheduled):

@@ -1,0 +1,540 @@
+"""The OpenAI-compatible server (deepfuse.serve) on the CPU with the tiny model (V4 vocabulary):
+one server subprocess on 127.0.0.1 for the module, driven with the official `openai` client
+and httpx. Every request loop is bounded in count and time."""
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+for _m in ("fastapi", "uvicorn", "openai", "httpx", "deepseek_recipe", "xgrammar", "jsonschema", "prometheus_client",
+           "tokenizers"):
+    pytest.importorskip(_m)
+
+import httpx  # noqa: E402
+import jsonschema  # noqa: E402
+import openai  # noqa: E402
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 512
+MAX_PENDING = 40
+NO_THINK = {"thinking": {"type": "disabled"}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    import deepfuse
+
+    port = _free_port()
+    env = dict(os.environ)
+    pkg_root = str(Path(deepfuse.__file__).resolve().parent.parent)  # the deepfuse this test imports
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "deepfuse.serve", "--model", MODEL, "--port", str(port), "--max-model-len",
+           str(MAX_MODEL_LEN), "--max-pending", str(MAX_PENDING), "--max-num-seqs", "48", "--log-level", "warning"]
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"deepfuse-serve-test-{port}.log", "w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240  # first run: the tiny checkpoint is generated
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read()[-4000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("server did not come up")
+            time.sleep(0.5)
+        yield base
+        assert proc.poll() is None, "the server died during the tests"
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=60, max_retries=0)
+
+
+def stats(base):
+    return httpx.get(base + "/stats", timeout=10).json()
+
+
+def wait_idle(base, timeout=30.0):
+    """Until the engine has no request and its cache is empty; -> the stats."""
+    t0 = time.time()
+    while True:
+        st = stats(base)
+        if st["num_pending"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0 and st["used_tokens"] == 0:
+            return st
+        assert time.time() - t0 < timeout, f"not idle: {st}"
+        time.sleep(0.2)
+
+
+def chat(client, content="Hello", **kw):
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    extra = dict(NO_THINK, **kw.pop("extra_body", {}))
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          extra_body=extra, **kw)
+
+
+def stream_chat(client, content="Hello", **kw):
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    extra = dict(NO_THINK, **kw.pop("extra_body", {}))
+    text, reasons, usage = [], [], None
+    for ch in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                             stream=True, extra_body=extra, **kw):
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            if c.delta.content:
+                text.append(c.delta.content)
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return "".join(text), reasons, usage
+
+
+# ------------------------------------------------------------------ units (no server)
+def test_stop_matcher_holds_back_partial_stops():
+    from deepfuse.serve.app import StopMatcher
+
+    m = StopMatcher(["STOP", "xy"])
+    out = [m.feed(d) for d in ["ab", "cS", "TO", "Pzz"]]
+    assert "".join(o for o, _ in out) == "abc" and out[-1][1] and not any(h for _, h in out[:-1])
+    m = StopMatcher(["END"])
+    assert m.feed("aE") == ("a", False) and m.feed("Nd") == ("ENd", False) and m.flush() == ""
+
+
+def test_incremental_detokenisation_never_splits_characters():
+    from deepfuse.serve.tokenizer import Tokenizer, resolve_tokenizer_dir
+
+    tok = Tokenizer(resolve_tokenizer_dir())
+    text = "naïve 😀 caf\u00e9 深度求索 done"
+    ids = tok.encode(text)
+    d = tok.detokenizer()
+    parts = [d.step(i) for i in ids]
+    assert "".join(parts) == text == tok.decode(ids)
+    assert all("\ufffd" not in p for p in parts)
+    assert tok.vocab_size == 129280 and tok.bos_id == 0 and tok.eos_id == 1
+
+
+def test_checkpoint_tokenizer_wins(tmp_path):
+    import shutil
+
+    from deepfuse.serve.tokenizer import bundled_tokenizer_dir, resolve_tokenizer_dir
+
+    assert resolve_tokenizer_dir("tiny") == bundled_tokenizer_dir() == resolve_tokenizer_dir(str(tmp_path))
+    shutil.copy(bundled_tokenizer_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
+    assert resolve_tokenizer_dir(str(tmp_path)) == tmp_path
+
+
+def test_think_gate_and_safe_constraint():
+    from deepfuse.serve.grammar import SafeConstraint, ThinkGate
+
+    class Only7:  # allows token 7 only, terminates after it
+        def __init__(self):
+            self.done = False
+
+        def fill_next_token_bitmask(self, bm, row):
+            bm[row] = 0
+            bm[row, 0] = 1 << 7
+
+        def accept_token(self, t):
+            self.done = t == 7
+            return self.done
+
+        def is_terminated(self):
+            return self.done
+
+    import torch
+
+    g = ThinkGate(Only7(), end_id=99)
+    bm = torch.full((1, 4), -1, dtype=torch.int32)
+    g.fill_next_token_bitmask(bm, 0)
+    assert (bm == -1).all() and g.accept_token(5) and not g.is_terminated()  # reasoning: free
+    assert g.accept_token(99)  # </think>: the answer constraint starts
+    g.fill_next_token_bitmask(bm, 0)
+    assert bm[0, 0] == 1 << 7 and (bm[0, 1:] == 0).all() and g.accept_token(7) and g.is_terminated()
+
+    class Broken:
+        def fill_next_token_bitmask(self, bm, row):
+            raise RuntimeError("boom")
+
+    s = SafeConstraint(Broken())
+    s.fill_next_token_bitmask(bm, 0)
+    assert s.failed and s.is_terminated() and not s.accept_token(1)
+
+
+# ------------------------------------------------------------------ endpoints
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    chat(client, max_tokens=3)
+    text = httpx.get(server + "/metrics").text
+    for name in ("deepfuse_num_requests_waiting", "deepfuse_num_requests_running", "deepfuse_cache_usage_ratio",
+                 "deepfuse_generation_tokens_per_second", "deepfuse_time_to_first_token_seconds_bucket",
+                 "deepfuse_inter_token_latency_seconds_bucket"):
+        assert name in text, name
+    assert re.search(r'deepfuse_time_to_first_token_seconds_count\{model_name="tiny"\} [1-9]', text)
+
+
+def test_chat_stream_equals_non_stream(client):
+    r = chat(client, "Tell me a story", max_tokens=16, seed=7)
+    c = r.choices[0]
+    assert c.finish_reason in ("length", "stop") and c.message.role == "assistant" and c.message.content
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == 16 and \
+        r.usage.total_tokens == r.usage.prompt_tokens + 16
+    text, reasons, usage = stream_chat(client, "Tell me a story", max_tokens=16, seed=7,
+                                       stream_options={"include_usage": True})
+    assert text == c.message.content and reasons == [c.finish_reason]
+    assert usage is not None and usage.completion_tokens == 16
+    # sampled (temperature 1, top_p / top_k / min_p) with a seed: reproducible, streamed or not
+    kw = dict(temperature=1.0, top_p=0.9, seed=123, max_tokens=10, extra_body={"top_k": 50, "min_p": 0.01})
+    a = chat(client, "Hi", **kw).choices[0].message.content
+    assert stream_chat(client, "Hi", **kw)[0] == a
+
+
+def test_chat_logprobs(client):
+    r = chat(client, max_tokens=5, logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == 5 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in lp)
+    assert abs(lp[0].logprob - max(t.logprob for t in lp[0].top_logprobs)) < 1e-4  # greedy = the top one
+
+
+def test_thinking_mode_reasoning_content(client):
+    r = chat(client, max_tokens=8, extra_body={"thinking": {"type": "enabled"}})
+    m = r.choices[0].message
+    assert getattr(m, "reasoning_content", None) or (m.model_extra or {}).get("reasoning_content")
+
+
+def test_chat_text_parts_multi_turn_and_system(client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, extra_body=NO_THINK)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+
+
+def test_completions(server, client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=10, temperature=0,
+                                  logprobs=2)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and r.usage.completion_tokens == 10
+    assert len(c.logprobs.tokens) == 10 and "".join(c.logprobs.tokens) == c.text
+    parts = [ch.choices[0].text for ch in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=10, temperature=0, stream=True) if ch.choices]
+    assert "".join(parts) == c.text
+    ids = httpx.post(server + "/tokenize", json={"model": MODEL, "prompt": "The capital of France is"}).json()["tokens"]
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0).choices[0].text == c.text
+
+
+def test_chat_rendering_matches_deepseek_recipe(server):
+    import deepseek_recipe as dr
+    from deepfuse.serve.tokenizer import Tokenizer, resolve_tokenizer_dir
+
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3? 😀"}]
+    for thinking in ("disabled", "enabled"):
+        body = {"model": MODEL, "messages": msgs, "thinking": {"type": thinking}}
+        got = httpx.post(server + "/tokenize", json=body).json()
+        opts = dr.ConversionOptions().with_model_alias(MODEL, dr.ModelVersion.DeepseekV4Pro)
+        conv = dr.ChatCompletionRequest(body).convert(opts).conversation
+        want = dr.DeepseekV4Encoding().render_conversation(conv).prompt
+        assert got["prompt"] == want
+        assert want.startswith("<｜begin▁of▁sentence｜>") and \
+            "You are terse.<｜User｜>2+2?<｜Assistant｜></think>4<｜end▁of▁sentence｜><｜User｜>and 3+3? 😀" in want
+        assert want.endswith("<｜Assistant｜><think>" if thinking == "enabled" else "<｜Assistant｜></think>")
+        tok = Tokenizer(resolve_tokenizer_dir())
+        assert tok.decode(got["tokens"]) == want
+        assert got["tokens"] == dr.DeepseekV4Encoding().with_tokenizer(tok.recipe).encode(conv)
+
+
+# ------------------------------------------------------------------ constrained decoding
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["ok", "color", "n"], "additionalProperties": False}
+
+
+def test_json_schema(client):
+    for stream in (False, True):
+        kw = dict(max_tokens=60, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+        if stream:
+            text, reasons, _ = stream_chat(client, "Give JSON", **kw)
+        else:
+            c = chat(client, "Give JSON", **kw).choices[0]
+            text, reasons = c.message.content, [c.finish_reason]
+        assert reasons == ["stop"], text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    c = chat(client, "Answer in json", max_tokens=60, temperature=1.0, seed=3,
+             response_format={"type": "json_object"}).choices[0]
+    assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict)
+
+
+def test_regex_and_grammar(client):
+    rx = r"[a-z]{2,6}-[0-9]{1,3}"
+    c = chat(client, max_tokens=30, response_format={"type": "regex", "regex": rx}).choices[0]
+    assert c.finish_reason == "stop" and re.fullmatch(rx, c.message.content), c.message.content
+    g = 'root ::= ("yes" | "no") "!" [0-9]'
+    c = chat(client, max_tokens=30, temperature=1.0, seed=1,
+             response_format={"type": "grammar", "grammar": g}).choices[0]
+    assert c.finish_reason == "stop" and re.fullmatch(r"(yes|no)![0-9]", c.message.content), c.message.content
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=30, temperature=0,
+                                  extra_body={"response_format": {"type": "regex", "regex": rx}})
+    assert re.fullmatch(rx, r.choices[0].text) and r.choices[0].finish_reason == "stop"
+
+
+def test_tool_calls_required_and_named(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather now",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"unit": {"enum": ["c", "f"]}},
+                                                              "required": ["unit"], "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                           tools=tools, tool_choice=choice, max_tokens=200, temperature=0,
+                                           extra_body=NO_THINK)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        for call in c.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            assert call.function.name in ("get_weather", "get_time")
+            if call.function.name == "get_weather":
+                assert args["unit"] in ("c", "f")
+        if choice != "required":
+            assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+            # streamed: the same call in tool_call deltas
+            calls: dict = {}
+            reasons = []
+            for ch in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                                     tools=tools, tool_choice=choice, max_tokens=200, temperature=0,
+                                                     stream=True, extra_body=NO_THINK):
+                for cc in ch.choices:
+                    reasons += [cc.finish_reason] if cc.finish_reason else []
+                    for d in cc.delta.tool_calls or []:
+                        e = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                        e["name"] += (d.function.name or "") if d.function else ""
+                        e["arguments"] += (d.function.arguments or "") if d.function else ""
+            assert reasons == ["tool_calls"] and [v["name"] for v in calls.values()] == ["get_weather"]
+            assert json.loads(calls[0]["arguments"]) == json.loads(c.message.tool_calls[0].function.arguments)
+    # a tool result in the history
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"unit": "c"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=4, temperature=0,
+                                       extra_body=NO_THINK)
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+# ------------------------------------------------------------------ stops
+def test_stop_strings(client):
+    base = chat(client, "Count", max_tokens=24).choices[0].message.content
+    assert len(base) > 8
+    stop = base[len(base) // 2: len(base) // 2 + 3]
+    want = base[:base.index(stop)]
+    c = chat(client, "Count", max_tokens=24, stop=[stop]).choices[0]
+    assert c.finish_reason == "stop" and c.message.content == want
+    text, reasons, _ = stream_chat(client, "Count", max_tokens=24, stop=[stop])
+    assert text == want and reasons == ["stop"]
+    r = client.completions.create(model=MODEL, prompt="Count", max_tokens=24, temperature=0)
+    full = r.choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    for stream in (False, True):
+        if stream:
+            got = "".join(ch.choices[0].text for ch in client.completions.create(
+                model=MODEL, prompt="Count", max_tokens=24, temperature=0, stop=stop, stream=True) if ch.choices)
+        else:
+            c = client.completions.create(model=MODEL, prompt="Count", max_tokens=24, temperature=0, stop=stop).choices[0]
+            assert c.finish_reason == "stop"
+            got = c.text
+        assert got == full[:full.index(stop)]
+
+
+def test_stop_token_ids(server, client):
+    r = client.completions.create(model=MODEL, prompt="Count", max_tokens=8, temperature=0, logprobs=0)
+    ids = httpx.post(server + "/tokenize", json={"model": MODEL, "prompt": "Count"}).json()["tokens"]
+    toks = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 8,
+                                                         "temperature": 0, "logprobs": 0}).json()
+    assert toks["choices"][0]["text"] == r.choices[0].text
+    # the engine's own tokens: ask again with stop_token_ids = the 4th token's id
+    from deepfuse.serve.tokenizer import Tokenizer, resolve_tokenizer_dir
+
+    tok = Tokenizer(resolve_tokenizer_dir())
+    gen = tok.encode(r.choices[0].text)
+    if len(gen) >= 4 and tok.decode(gen) == r.choices[0].text:
+        c = client.completions.create(model=MODEL, prompt="Count", max_tokens=8, temperature=0,
+                                      extra_body={"stop_token_ids": [gen[3]]}).choices[0]
+        assert c.finish_reason == "stop" and r.choices[0].text.startswith(c.text) and len(c.text) < len(
+            r.choices[0].text)
+
+
+# ------------------------------------------------------------------ load, disconnects, overload
+def test_32_concurrent_streams(server):
+    async def one(ac, i):
+        n, reason = 0, None
+        s = await ac.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"req {i}"}],
+                                             max_tokens=8 + i % 5, temperature=0.7, seed=i, stream=True,
+                                             extra_body=NO_THINK)
+        async for ch in s:
+            for c in ch.choices:
+                n += 1
+                reason = c.finish_reason or reason
+        return reason, n
+
+    async def main():
+        ac = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none", timeout=120, max_retries=0)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(ac, i) for i in range(32))), 150)
+        finally:
+            await ac.close()
+
+    res = asyncio.run(main())
+    assert len(res) == 32 and all(r in ("length", "stop") and n > 1 for r, n in res), res
+    wait_idle(server)
+
+
+def test_disconnect_frees_cache_and_overload_503(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 400,
+            "ignore_eos": True, "stream": True, **NO_THINK}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as ac:
+            streams = []
+            for _ in range(MAX_PENDING):
+                cm = ac.stream("POST", "/v1/chat/completions", json=body)
+                r = await cm.__aenter__()
+                assert r.status_code == 200
+                it = r.aiter_lines()
+                while not (await it.__anext__()).startswith("data:"):
+                    pass
+                streams.append((cm, it))
+            t0 = time.time()
+            while (st := stats(server))["num_running"] + st["num_waiting"] < MAX_PENDING:
+                assert time.time() - t0 < 30, st
+                await asyncio.sleep(0.1)
+            assert st["num_pending"] == MAX_PENDING and st["used_tokens"] > 0
+            over = await ac.post("/v1/chat/completions", json=dict(body, stream=False))
+            assert over.status_code == 503 and over.json()["error"]["code"] == "overloaded"
+            for cm, _ in streams:  # the clients go away mid-stream
+                await cm.__aexit__(None, None, None)
+
+    asyncio.run(main())
+    st = wait_idle(server)
+    assert st["used_tokens"] == 0 and st["free_slots"] == 48 and not any(st["pages_in_use"].values()), st
+    assert aborts(server) >= MAX_PENDING
+    # and a non-streaming client that goes away
+    n = aborts(server)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/chat/completions", json=dict(body, stream=False, max_tokens=480), timeout=1.0)
+    wait_idle(server, timeout=30)
+    assert aborts(server) == n + 1
+
+
+def aborts(base) -> int:
+    text = httpx.get(base + "/metrics").text
+    m = re.search(r'deepfuse_requests_finished_total\{[^}]*finish_reason="abort"[^}]*\} ([0-9.]+)', text)
+    return int(float(m.group(1))) if m else 0
+
+
+# ------------------------------------------------------------------ bad input
+LONG = "word " * 700
+
+BAD = [
+    # (path, body (dict or raw bytes), status, param)
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "bogus", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+     400, "temperature"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400,
+     "top_p"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": "s"}, 400,
+     "seed"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": 5}, 400, "stop"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400,
+     "stream"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "regex", "regex": "(unclosed"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "grammar", "grammar": "root ::= nope"}}, 400,
+     "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "thinking": {"type": "sometimes"}}, 400, "thinking.type"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": "x"}, 400,
+     "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}], **NO_THINK}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000,
+                              **NO_THINK}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 999999]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 1.5}, 400, "top_k"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+]
+
+
+def test_bad_inputs_get_4xx_naming_the_field(server):
+    with httpx.Client(base_url=server, timeout=30) as c:
+        for path, body, status, param in BAD:
+            r = c.post(path, content=body, headers={"content-type": "application/json"}) if isinstance(body, bytes) \
+                else c.post(path, json=body)
+            assert r.status_code == status, (body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["message"] and err["type"], r.text
+            if param is not None:
+                assert err["param"] == param, (body, err)
+        assert c.get("/v1/models/nope").status_code == 404
+        assert c.get("/health").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}])
+    wait_idle(server)
