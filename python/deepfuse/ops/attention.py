@@ -135,6 +135,8 @@ def sparse_attention_paged_ref(q, kv, kv_page_size: int, indices, sink, scale: f
             rows.append(_source_rows(src, ps, torch.where(ok, ix, 0), D))
             valid.append(ok)
         r, v = torch.cat(rows, 1), torch.cat(valid, 1)  # [t, K, D], [t, K]
+        # skipped slots read row 0 (clamped), which may hold anything (a poisoned page): zero it
+        r = torch.where(v.unsqueeze(-1), r, r.new_zeros(()))
         logits = torch.einsum("thd,tkd->thk", q[t0:t1].float(), r) * scale
         logits = logits.masked_fill(~v.unsqueeze(1), float("-inf"))
         m = torch.maximum(logits.amax(-1), sinkf)
