@@ -541,9 +541,10 @@ __global__ void __launch_bounds__(128) sparse_attn_combine_kernel(const __grid_c
   for (int k = 0; k < 4; ++k) acc[k] *= f;
   if (i == 0) P.lse[th] = l > 0.f ? (log2f(l) + M) * kLn2 : -INFINITY;
   const int rope0 = kDim - 2 * P.rope_pairs;
-  if (P.rope_pairs > 0 && 4 * i >= rope0) {
+  if (P.rope_pairs > 0) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
+      if (4 * i + 2 * k < rope0) continue;
       const int pi = (4 * i + 2 * k - rope0) >> 1;
       const float cs = P.cos[t * P.rope_pairs + pi], sn = P.sin[t * P.rope_pairs + pi];
       const float x0 = acc[2 * k], x1 = acc[2 * k + 1];
