@@ -57,7 +57,7 @@ def fill_cache(P, ps, gen_seed):
     return pages.data[0]
 
 
-def decode_case(B, Hh, kind, ctx_rows, sel, G=2, indep=False, seed=0):
+def decode_case(B, Hh, kind, ctx_rows, sel, G=2, indep=False, plan_G=None, seed=0):
     """-> dict of call args for B requests x G rows."""
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -70,6 +70,8 @@ def decode_case(B, Hh, kind, ctx_rows, sel, G=2, indep=False, seed=0):
     # window: the request's ring of W = 128 + G - 1 rows in ring order: position k of every row
     # names ring slot k; row r sees slots r .. r + 127 (-1 elsewhere), so the G rows share
     # every slot position by position (one fetch per key for the group)
+    base_w = torch.arange(B, device=dev).repeat_interleave(G) * WR
+    r = torch.arange(G, device=dev).repeat(B)
     W = 128 + G - 1
     k = torch.arange(W, device=dev)
     vis = (k[None, :] >= r[:, None]) & (k[None, :] < r[:, None] + 128)
@@ -83,7 +85,8 @@ def decode_case(B, Hh, kind, ctx_rows, sel, G=2, indep=False, seed=0):
         ext_idx = torch.arange(xr, device=dev)[None, :].expand(T, xr)
     ext_idx = (ext_idx + torch.arange(B, device=dev).repeat_interleave(G)[:, None] * xr).int().contiguous()
     q = (torch.randn(T, Hh, 512, device=dev, generator=g)).to(torch.bfloat16)
-    return dict(q=q, kv=win, ps=ps_w, idx=win_idx.contiguous(), ext=ext, eps=ps_x, eidx=ext_idx, G=G)
+    return dict(q=q, kv=win, ps=ps_w, idx=win_idx.contiguous(), ext=ext, eps=ps_x, eidx=ext_idx,
+                G=G if plan_G is None else plan_G)
 
 
 def prefill_case(T, Hh, sel=512, seed=0):
@@ -150,7 +153,7 @@ def grid(quick):
         for B in Bs:
             cells.append(("decode_csa", Hh, B, dict(kind="csa", ctx_rows=4096, sel=512)))
         for B in ((64,) if quick else (64, 128)):
-            cells.append(("csa_G1", Hh, B, dict(kind="csa", ctx_rows=4096, sel=512, G=1)))
+            cells.append(("csa_G1", Hh, B, dict(kind="csa", ctx_rows=4096, sel=512, plan_G=1)))
             cells.append(("csa_indep", Hh, B, dict(kind="csa", ctx_rows=4096, sel=512, indep=True)))
         for ctx in (65536, 1 << 20):
             for B in ((64,) if quick else (1, 64)):
