@@ -119,6 +119,8 @@ __device__ __forceinline__ void dequant16(const uint4& raw, float mul, uint4& lo
 }
 
 // Per-warp view of the key schedule. Lane l stands for position bi * 32 + l of the block.
+// The raw slots of the next block are loaded one scan ahead (pre), so that the index loads'
+// latency hides behind a unit's MMAs instead of stalling the schedule.
 template <int G>
 struct Sched {
   int bi;          // current block
@@ -126,12 +128,15 @@ struct Sched {
   int slot[G];     // lane's slot per row (valid iff code >= 0)
   int code[G];     // first row with the same valid slot, -1 when invalid
   uint32_t passes; // passes needed in block bi (bit r)
+  int pre_bi;      // block whose raw slots are in pre (or -1)
+  int64_t pre[G];
 };
 
+// Raw slot of row r of the group at position p of the virtual list, or -1 (not loaded).
 template <int G>
-__device__ __forceinline__ void scan_block(const AttnParams& P, Sched<G>& s, int group, int lane,
-                                           const int64_t (&len)[2][G]) {
-  const int p = s.bi * kBlock + lane;
+__device__ __forceinline__ void load_block(const AttnParams& P, int64_t (&out)[G], int bi, int group, int lane,
+                                           const int (&len)[2][G]) {
+  const int p = bi * kBlock + lane;
   const int K0 = P.src[0].K;
   const int si = p < K0 ? 0 : 1;
   const int pos = p - (si ? K0 : 0);
@@ -139,11 +144,32 @@ __device__ __forceinline__ void scan_block(const AttnParams& P, Sched<G>& s, int
 #pragma unroll
   for (int r = 0; r < G; ++r) {
     const int64_t t = static_cast<int64_t>(group) * G + r;
-    bool ok = t < P.T && pos < S.K && pos < (si ? len[1][r] : len[0][r]);
-    int64_t slot = -1;
-    if (ok) slot = load_i(S.idx, S.idx64, t * S.K + pos);
-    ok = ok && slot >= 0 && slot < S.num_slots;
-    s.slot[r] = ok ? static_cast<int>(slot) : -1;
+    const bool ok = pos < (si ? len[1][r] : len[0][r]);  // len is 0 for rows past T
+    out[r] = ok ? load_i(S.idx, S.idx64, t * S.K + pos) : -1;
+  }
+}
+
+template <int G>
+__device__ __forceinline__ void scan_block(const AttnParams& P, Sched<G>& s, int group, int lane, int b_end,
+                                           const int (&len)[2][G]) {
+  int64_t raw[G];
+  if (s.pre_bi == s.bi) {
+#pragma unroll
+    for (int r = 0; r < G; ++r) raw[r] = s.pre[r];
+  } else {
+    load_block<G>(P, raw, s.bi, group, lane, len);
+  }
+  s.pre_bi = -1;
+  if (s.bi + 1 < b_end) {
+    load_block<G>(P, s.pre, s.bi + 1, group, lane, len);
+    s.pre_bi = s.bi + 1;
+  }
+  const int p = s.bi * kBlock + lane;
+  const int64_t n = P.src[p < P.src[0].K ? 0 : 1].num_slots;
+#pragma unroll
+  for (int r = 0; r < G; ++r) {
+    const bool ok = raw[r] >= 0 && raw[r] < n;
+    s.slot[r] = ok ? static_cast<int>(raw[r]) : -1;
     int c = -1;
     if (ok) {
       c = r;
@@ -163,12 +189,11 @@ __device__ __forceinline__ void scan_block(const AttnParams& P, Sched<G>& s, int
 // Advance to the next unit (block, pass) with work, within [.., b_end). Returns false at the end.
 template <int G>
 __device__ __forceinline__ bool next_unit(const AttnParams& P, Sched<G>& s, int group, int lane, int b_end,
-                                          const int64_t (&len)[2][G]) {
+                                          const int (&len)[2][G]) {
   uint32_t rest = s.passes & ~((2u << s.r) - 1u);  // passes after r
-  if (s.r < 0) rest = s.passes;
   while (rest == 0) {
     if (++s.bi >= b_end) return false;
-    scan_block<G>(P, s, group, lane, len);
+    scan_block<G>(P, s, group, lane, b_end, len);
     rest = s.passes;
   }
   s.r = __ffs(rest) - 1;
@@ -184,16 +209,30 @@ __device__ __forceinline__ int sel(const int (&a)[G], int r) {
   return v;
 }
 
+// A unit queued in the staging ring.
+struct Unit {
+  int have, ld, bi;
+  uint32_t mask;
+};
+
+__device__ __forceinline__ int stage_bytes(const AttnParams& P) {
+  const bool bf = (P.src[0].K > 0 && !P.src[0].fp8) || (P.src[1].K > 0 && !P.src[1].fp8);
+  return bf ? kRowBytes : 640;  // per key: a bf16 row, or 584 FP8 bytes (rounded to 128)
+}
+
 template <int G>
 __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_constant__ AttnParams P) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int C = G * (P.H / kRows);
-  const int NK = kBlock / C;    // keys this CTA fetches per unit
+  const int NK = kBlock / C;      // keys this CTA fetches per unit
   const int TPK = kThreads / NK;  // threads per fetched key
+  const int SB = stage_bytes(P);
+  const int stg_total = 2 * NK * kRowBytes;
+  const int NS = min(3, stg_total / (NK * SB));  // staging ring depth: 2 or 3 units
   uint8_t* Qs = smem;
   uint8_t* Ks = smem + kQBytes;                      // [2][32 keys][1024]
-  uint8_t* Stg = Ks + 2 * kKBytes;                   // [2][NK][1024]
-  float* Xch = reinterpret_cast<float*>(Stg + 2 * NK * kRowBytes);  // [8 warps][512]
+  uint8_t* Stg = Ks + 2 * kKBytes;                   // [NS][NK][SB]
+  float* Xch = reinterpret_cast<float*>(Stg + stg_total);  // [8 warps][512]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rank = static_cast<int>(blockIdx.x) % C;
@@ -204,8 +243,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   const int64_t t = static_cast<int64_t>(group) * G + brow;
   const bool t_ok = t < P.T;
 
-  // Lengths of the group's rows, per source.
-  int64_t len[2][G];
+  // Lengths of the group's rows, per source (0 past T).
+  int len[2][G];
 #pragma unroll
   for (int si = 0; si < 2; ++si)
 #pragma unroll
@@ -214,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       const AttnSource& S = P.src[si];
       int64_t L = tr < P.T ? S.K : 0;
       if (tr < P.T && S.len != nullptr) L = min(L, load_i(S.len, S.len64, tr));
-      len[si][r] = L;
+      len[si][r] = static_cast<int>(L);
     }
 
   // Q tile -> shared (swizzled), zeros for a row past T.
@@ -244,45 +283,45 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
 
   Sched<G> s;
   s.bi = b_begin - 1;
-  s.r = G;  // forces a scan
+  s.r = 31;  // no passes left: the first next_unit scans
   s.passes = 0;
-  bool have = b_begin < b_end && next_unit<G>(P, s, group, lane, b_end, len);
+  s.pre_bi = -1;
 
-  // Issue the cp.async of unit s into staging buffer `buf`; returns this thread's "loaded" flag.
-  auto issue = [&](int buf) -> bool {
-    const int r = s.r;
-    const int slot = __shfl_sync(0xffffffffu, sel<G>(s.slot, r), lane_key);
-    const bool ld = __shfl_sync(0xffffffffu, sel<G>(s.code, r) == r ? 1 : 0, lane_key) != 0;
-    if (ld) {
-      const int p = s.bi * kBlock + lane_key;
-      const AttnSource& S = P.src[p < P.src[0].K ? 0 : 1];
-      const int64_t page = slot / S.page_size, row = slot % S.page_size;
-      const uint8_t* pg = S.base + page * S.page_bytes;
-      const uint32_t dst = smem_u32(Stg + (buf * NK + kk) * kRowBytes);
-      if (S.fp8) {
-        const uint8_t* rowp = pg + row * 576;
-        for (int j = j0; j < 36; j += TPK) cp_async16(dst + j * 16, rowp + j * 16);
-        if (j0 == 0) cp_async8(dst + 576, pg + static_cast<int64_t>(S.page_size) * 576 + row * 8);
-      } else {
-        const uint8_t* rowp = pg + row * kRowBytes;
-        for (int j = j0; j < 64; j += TPK) cp_async16(dst + j * 16, rowp + j * 16);
+  // Find the next unit and issue its cp.async into staging slot `slot`; always commits a group.
+  auto advance = [&](int slot, bool prev) -> Unit {
+    Unit un{0, 0, 0, 0u};
+    if (prev && next_unit<G>(P, s, group, lane, b_end, len)) {
+      const int r = s.r;
+      const int sl = __shfl_sync(0xffffffffu, sel<G>(s.slot, r), lane_key);
+      const bool ld = __shfl_sync(0xffffffffu, sel<G>(s.code, r) == r ? 1 : 0, lane_key) != 0;
+      if (ld) {
+        const int p = s.bi * kBlock + lane_key;
+        const AttnSource& S = P.src[p < P.src[0].K ? 0 : 1];
+        const int64_t page = sl / S.page_size, row = sl % S.page_size;
+        const uint8_t* pg = S.base + page * S.page_bytes;
+        const uint32_t dst = smem_u32(Stg + (slot * NK + kk) * SB);
+        if (S.fp8) {
+          const uint8_t* rowp = pg + row * 576;
+          for (int j = j0; j < 36; j += TPK) cp_async16(dst + j * 16, rowp + j * 16);
+          if (j0 == 0) cp_async8(dst + 576, pg + static_cast<int64_t>(S.page_size) * 576 + row * 8);
+        } else {
+          const uint8_t* rowp = pg + row * kRowBytes;
+          for (int j = j0; j < 64; j += TPK) cp_async16(dst + j * 16, rowp + j * 16);
+        }
       }
+      un.have = 1;
+      un.ld = ld;
+      un.bi = s.bi;
+      un.mask = __ballot_sync(0xffffffffu, sel<G>(s.code, brow) == s.r && t_ok);
     }
     cp_async_commit();
-    return ld;
+    return un;
   };
 
-  bool ld_cur = false;
-  int bi_cur = 0;
-  uint32_t mask_cur = 0;
-  auto accept_mask = [&]() -> uint32_t {
-    return __ballot_sync(0xffffffffu, sel<G>(s.code, brow) == s.r && t_ok);
-  };
-  if (have) {
-    ld_cur = issue(0);
-    bi_cur = s.bi;
-    mask_cur = accept_mask();
-  }
+  // Prologue: units 0 .. NS-2 into slots 0 .. NS-2.
+  Unit q0 = advance(0, b_begin < b_end);
+  Unit q1 = advance(1, q0.have && NS == 3);
+  Unit q2{0, 0, 0, 0u};
 
   // MMA-side state.
   const int rg = warp & 3, hh = warp >> 2;
@@ -292,29 +331,32 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   for (int j = 0; j < 32; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
-  for (int u = 0; have; ++u) {
+  for (int u = 0; q0.have; ++u) {
     const int buf = u & 1;
-    cp_async_wait_all();
+    const int slot = u % NS;
+    if (NS == 3) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     __syncthreads();
-    // (b) dequantise this CTA's keys of the unit into every cluster CTA's tile `buf`.
+    // (b) dequantise this CTA's keys of unit u into every cluster CTA's tile `buf`.
     {
-      const int p = bi_cur * kBlock + lane_key;
+      const int p = q0.bi * kBlock + lane_key;
       const bool fp8 = P.src[p < P.src[0].K ? 0 : 1].fp8 != 0;
-      const uint8_t* st = Stg + (buf * NK + kk) * kRowBytes;
+      const uint8_t* st = Stg + (slot * NK + kk) * SB;
       const uint32_t kbase = static_cast<uint32_t>(buf * kKBytes);
       const int krow = lane_key;
+      const bool ld = q0.ld != 0;
       if (fp8) {
         for (int j = j0; j < 36; j += TPK) {
           uint4 a = make_uint4(0, 0, 0, 0), b = a;
           int c0, nc;
           if (j < 28) {
-            if (ld_cur) {
+            if (ld) {
               const uint4 raw = *reinterpret_cast<const uint4*>(st + j * 16);
               dequant16(raw, exp2i(static_cast<int>(st[576 + (j >> 2)]) - 127), a, b);
             }
             c0 = 2 * j, nc = 2;
           } else {
-            if (ld_cur) a = *reinterpret_cast<const uint4*>(st + j * 16);
+            if (ld) a = *reinterpret_cast<const uint4*>(st + j * 16);
             c0 = j + 28, nc = 1;
           }
           for (int rk = 0; rk < C; ++rk) {
@@ -326,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       } else {
         for (int j = j0; j < 64; j += TPK) {
           uint4 a = make_uint4(0, 0, 0, 0);
-          if (ld_cur) a = *reinterpret_cast<const uint4*>(st + j * 16);
+          if (ld) a = *reinterpret_cast<const uint4*>(st + j * 16);
           for (int rk = 0; rk < C; ++rk) {
             uint8_t* dst = (C > 1 ? cluster.map_shared_rank(Ks, rk) : Ks) + kbase;
             *reinterpret_cast<uint4*>(dst + swz(krow, j)) = a;
@@ -334,13 +376,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
         }
       }
     }
-    // (c) the next unit's fetch goes out before this unit's MMAs.
-    const uint32_t mask = mask_cur;
-    have = next_unit<G>(P, s, group, lane, b_end, len);
-    if (have) {
-      ld_cur = issue(buf ^ 1);
-      bi_cur = s.bi;
-      mask_cur = accept_mask();
+    // (c) unit u + NS - 1 goes out (into the slot unit u - 1 used) before this unit's MMAs.
+    const uint32_t mask = q0.mask;
+    const bool last_have = NS == 3 ? q1.have : q0.have;
+    Unit nu = advance((u + NS - 1) % NS, last_have != 0);
+    if (NS == 3) {
+      q2 = nu;
+      q0 = q1;
+      q1 = q2;
+    } else {
+      q0 = nu;
     }
     // (d) the tile is complete in every CTA of the cluster.
     if (C > 1) cluster.sync(); else __syncthreads();
