@@ -256,15 +256,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       len[si][r] = static_cast<int>(L);
     }
 
-  // Q tile -> shared (swizzled), zeros for a row past T.
-  for (int i = tid; i < kRows * 64; i += kThreads) {
+  // Q tile -> shared (swizzled) by cp.async (in the first group: it lands with unit 0's keys),
+  // zeros for a row past T.
+#pragma unroll
+  for (int k = 0; k < kRows * 64 / kThreads; ++k) {
+    const int i = tid + k * kThreads;
     const int r = i >> 6, c = i & 63;
-    uint4 v = make_uint4(0, 0, 0, 0);
     if (t_ok) {
       const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(P.q) + t * P.q_ld_t + (head0 + r) * P.q_ld_h + c * 8;
-      v = __ldg(reinterpret_cast<const uint4*>(src));
+      cp_async16(smem_u32(Qs + swz(r, c)), src);
+    } else {
+      *reinterpret_cast<uint4*>(Qs + swz(r, c)) = make_uint4(0, 0, 0, 0);
     }
-    *reinterpret_cast<uint4*>(Qs + swz(r, c)) = v;
   }
 
   // This split's blocks.
@@ -473,6 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       }
     }
   }
+  cp_async_wait_all();  // (only empty groups, or Q when there was no unit)
   if (C > 1) cluster.sync();  // no CTA leaves while a peer may still address its tile
 
   // Row sums over the quad.
