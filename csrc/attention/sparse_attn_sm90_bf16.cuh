@@ -435,16 +435,30 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       mx[0] = fmaxf(mx[0], fmaxf(sc[j][0], sc[j][1]));
       mx[1] = fmaxf(mx[1], fmaxf(sc[j][2], sc[j][3]));
     }
-    float alpha[2], muse[2];
+    // Lazy rescaling: the reference max m_run moves only when a row's block max exceeds it by
+    // more than 2^8 (then P <= 256: exact in fp32 sums, bf16 P keeps its relative precision);
+    // the final normalisation uses the same reference, so the result is unchanged.
+    bool need = false;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      const float mn = fmaxf(m_run[i], mx[i]);
-      muse[i] = mn == -INFINITY ? 0.f : mn;
-      alpha[i] = exp2f(m_run[i] - muse[i]);
-      m_run[i] = mn;
+      need |= mx[i] > m_run[i] + 8.f;
     }
+    if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float mn = fmaxf(m_run[i], mx[i]);
+        const float alpha = mn == -INFINITY ? 1.f : exp2f(m_run[i] - mn);
+        m_run[i] = mn;
+        l_run[i] *= alpha;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) o[j][2 * i] *= alpha, o[j][2 * i + 1] *= alpha;
+      }
+    }
+    float muse[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) muse[i] = m_run[i] == -INFINITY ? 0.f : m_run[i];
     uint32_t pa[2][4];
     float ls[2] = {0.f, 0.f};
 #pragma unroll
@@ -456,13 +470,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       pa[j >> 1][(j & 1) * 2 + 0] = pack_bf16(p0, p1);
       pa[j >> 1][(j & 1) * 2 + 1] = pack_bf16(p2, p3);
     }
-    l_run[0] = l_run[0] * alpha[0] + ls[0];
-    l_run[1] = l_run[1] * alpha[1] + ls[1];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[j][0] *= alpha[0], o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1], o[j][3] *= alpha[1];
-    }
+    l_run[0] += ls[0];
+    l_run[1] += ls[1];
     // O += P V over this warp's 256 output columns.
 #pragma unroll
     for (int k2 = 0; k2 < 2; ++k2) {
