@@ -49,7 +49,7 @@ constexpr float kLn2 = 0.69314718055994530942f;
 constexpr float kLog2e = 1.44269504088896340736f;
 
 __host__ __device__ constexpr int smem_bytes(int C) {
-  return kQBytes + 2 * kKBytes + 2 * (kBlock / C) * kRowBytes + kXchBytes;
+  return kQBytes + 2 * kKBytes + 2 * (kBlock / C) * kRowBytes + kXchBytes + 64;  // + 4 mbarriers
 }
 
 // Swizzled offset of 16-byte chunk c (0..63) of row r in a [rows][1024 B] tile.
@@ -69,6 +69,40 @@ __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// mbarriers (cluster pipeline of the K tiles: "full" = the tile's bytes landed, "empty" =
+// every CTA of the cluster finished reading it).
+__device__ __forceinline__ uint32_t mapa(uint32_t a, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile("{ .reg .pred q; mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2; selp.u32 %0, 1, 0, q; }\n"
+                 : "=r"(ok)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } while (!ok);
+}
+// Remote arrive, relaxed: it only releases reads (ldmatrix results already consumed by MMAs).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_bar) {
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar) : "memory");
+}
+// 16 bytes into a cluster CTA's shared memory, completing on that CTA's mbarrier.
+__device__ __forceinline__ void st_async16(uint32_t cluster_addr, const uint4& v, uint32_t cluster_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   cluster_addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cluster_bar)
+               : "memory");
+}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -233,6 +267,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   uint8_t* Ks = smem + kQBytes;                      // [2][32 keys][1024]
   uint8_t* Stg = Ks + 2 * kKBytes;                   // [NS][NK][SB]
   float* Xch = reinterpret_cast<float*>(Stg + stg_total);  // [8 warps][512]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(Xch + 8 * 512);  // full[2], empty[2] (C > 1)
+  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + 2);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rank = static_cast<int>(blockIdx.x) % C;
@@ -278,7 +314,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   const int b_end = min(nblk, b_begin + bps);
 
   cg::cluster_group cluster = cg::this_cluster();
-  if (C > 1) cluster.sync();  // every CTA of the cluster runs before any DSMEM store
+  if (C > 1) {
+    if (tid == 0) {
+      for (int b = 0; b < 2; ++b) {
+        mbar_init(full0 + 8 * b, 1);
+        mbar_init(empty0 + 8 * b, 8 * C);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      mbar_expect_tx(full0, kKBytes);  // units 0 and 1: every key row of a tile is written once
+      mbar_expect_tx(full0 + 8, kKBytes);
+    }
+    cluster.sync();  // barriers initialised and every CTA of the cluster running before DSMEM traffic
+  }
 
   // Fetch assignment: key kk of this CTA's share, 16-byte chunks j0, j0 + TPK, ...
   const int kk = tid / TPK, j0 = tid % TPK;
@@ -348,6 +395,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       const uint32_t kbase = static_cast<uint32_t>(buf * kKBytes);
       const int krow = lane_key;
       const bool ld = q0.ld != 0;
+      // C > 1: wait until every CTA finished reading this tile (unit u - 2) before refilling it.
+      if (C > 1 && u >= 2) mbar_wait(empty0 + 8 * buf, ((u >> 1) + 1) & 1);
+      const uint32_t kloc = smem_u32(Ks) + kbase;
+      auto put = [&](uint32_t off, const uint4& v) {
+        if (C > 1) {
+          for (int rk = 0; rk < C; ++rk) st_async16(mapa(kloc + off, rk), v, mapa(full0 + 8 * buf, rk));
+        } else {
+          *reinterpret_cast<uint4*>(Ks + kbase + off) = v;
+        }
+      };
       if (fp8) {
         for (int j = j0; j < 36; j += TPK) {
           uint4 a = make_uint4(0, 0, 0, 0), b = a;
@@ -362,20 +419,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
             if (ld) a = *reinterpret_cast<const uint4*>(st + j * 16);
             c0 = j + 28, nc = 1;
           }
-          for (int rk = 0; rk < C; ++rk) {
-            uint8_t* dst = (C > 1 ? cluster.map_shared_rank(Ks, rk) : Ks) + kbase;
-            *reinterpret_cast<uint4*>(dst + swz(krow, c0)) = a;
-            if (nc == 2) *reinterpret_cast<uint4*>(dst + swz(krow, c0 + 1)) = b;
-          }
+          put(swz(krow, c0), a);
+          if (nc == 2) put(swz(krow, c0 + 1), b);
         }
       } else {
         for (int j = j0; j < 64; j += TPK) {
           uint4 a = make_uint4(0, 0, 0, 0);
           if (ld) a = *reinterpret_cast<const uint4*>(st + j * 16);
-          for (int rk = 0; rk < C; ++rk) {
-            uint8_t* dst = (C > 1 ? cluster.map_shared_rank(Ks, rk) : Ks) + kbase;
-            *reinterpret_cast<uint4*>(dst + swz(krow, j)) = a;
-          }
+          put(swz(krow, j), a);
         }
       }
     }
@@ -390,9 +441,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     } else {
       q0 = nu;
     }
-    // (d) the tile is complete in every CTA of the cluster.
-    if (C > 1) cluster.sync(); else __syncthreads();
-    if (mask == 0) continue;  // CTA-uniform: none of this CTA's rows takes a key of this unit
+    // (d) the tile is complete: C == 1 a CTA barrier; C > 1 its bytes landed (full barrier), and
+    // the full barrier is re-armed for unit u + 2 (no peer writes it before our empty arrivals).
+    if (C > 1) {
+      mbar_wait(full0 + 8 * buf, (u >> 1) & 1);
+      if (tid == 0) mbar_expect_tx(full0 + 8 * buf, kKBytes);
+    } else {
+      __syncthreads();
+    }
+    if (mask != 0) {  // CTA-uniform: some of this CTA's rows take keys of this unit
 
     // (e) S = Q K^T over this warp's 256 dims.
     const uint32_t qb = smem_u32(Qs), kb = smem_u32(Ks + buf * kKBytes);
@@ -483,6 +540,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
         mma_bf16(o[2 * np], pa[k2][0], pa[k2][1], pa[k2][2], pa[k2][3], b0, b1);
         mma_bf16(o[2 * np + 1], pa[k2][0], pa[k2][1], pa[k2][2], pa[k2][3], b2, b3);
       }
+    }
+    }  // mask != 0
+    if (C > 1) {  // this warp is done with tile buf: tell every CTA of the cluster
+      __syncwarp();
+      if (lane == 0)
+        for (int rk = 0; rk < C; ++rk) mbar_arrive_remote(mapa(empty0 + 8 * buf, rk));
     }
   }
   cp_async_wait_all();  // (only empty groups, or Q when there was no unit)
