@@ -452,19 +452,32 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     if (mask != 0) {  // CTA-uniform: some of this CTA's rows take keys of this unit
 
     // (e) S = Q K^T over this warp's 256 dims.
-    const uint32_t qb = smem_u32(Qs), kb = smem_u32(Ks + buf * kKBytes);
+    // ldmatrix addresses: row r, chunk c = hh*32 + 2k + b (k = 0..15), swizzled c ^ (r & 7) with
+    // r & 7 = lane & 7 for every operand here, so c ^ x = hh*32 + (k >> 2)*8 + ((2(k & 3) + b) ^ x):
+    // four per-thread offsets per operand, the rest immediates.
+    const uint32_t kb = smem_u32(Ks + buf * kKBytes);
+    const int x7 = lane & 7;
+    uint32_t qa[4], ka[4];
+    {
+      const uint32_t qrow = smem_u32(Qs) + (rg * 16 + (lane & 15)) * kRowBytes + hh * 512;
+      const uint32_t krow = kb + (x7 + ((lane >> 4) << 3)) * kRowBytes + hh * 512;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        qa[k] = qrow + (((2 * k + (lane >> 4)) ^ x7) << 4);
+        ka[k] = krow + (((2 * k + ((lane >> 3) & 1)) ^ x7) << 4);
+      }
+    }
     float sc[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < 16; ++ks) {
-      const int c = hh * 32 + ks * 2;  // chunk of d = hh*256 + ks*16
       uint32_t a0, a1, a2, a3;
-      ldsm_x4(qb + swz(rg * 16 + (lane & 15), c + (lane >> 4)), a0, a1, a2, a3);
+      ldsm_x4(qa[ks & 3] + (ks >> 2) * 128, a0, a1, a2, a3);
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
         uint32_t b0, b1, b2, b3;
-        ldsm_x4(kb + swz(np * 16 + (lane & 7) + ((lane >> 4) << 3), c + ((lane >> 3) & 1)), b0, b1, b2, b3);
+        ldsm_x4(ka[ks & 3] + np * 16 * kRowBytes + (ks >> 2) * 128, b0, b1, b2, b3);
         mma_bf16(sc[2 * np], a0, a1, a2, a3, b0, b1);
         mma_bf16(sc[2 * np + 1], a0, a1, a2, a3, b2, b3);
       }
@@ -530,13 +543,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     l_run[0] += ls[0];
     l_run[1] += ls[1];
     // O += P V over this warp's 256 output columns.
+    uint32_t va[4];
+    {
+      const uint32_t vrow = kb + (x7 + (((lane >> 3) & 1) << 3)) * kRowBytes + hh * 512;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) va[k] = vrow + (((2 * k + (lane >> 4)) ^ x7) << 4);
+    }
 #pragma unroll
     for (int k2 = 0; k2 < 2; ++k2) {
-      const int key = k2 * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
 #pragma unroll
       for (int np = 0; np < 16; ++np) {
         uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(kb + swz(key, hh * 32 + np * 2 + (lane >> 4)), b0, b1, b2, b3);
+        ldsm_x4_t(va[np & 3] + k2 * 16 * kRowBytes + (np >> 2) * 128, b0, b1, b2, b3);
         mma_bf16(o[2 * np], pa[k2][0], pa[k2][1], pa[k2][2], pa[k2][3], b0, b1);
         mma_bf16(o[2 * np + 1], pa[k2][0], pa[k2][1], pa[k2][2], pa[k2][3], b2, b3);
       }
