@@ -185,7 +185,7 @@ def main(argv=None):
         c["sink"] = torch.randn(Hh, device="cuda", generator=g)
         c["scale"] = 1.0 / math.sqrt(512)
         K = c["idx"].shape[1] + c["eidx"].shape[1]
-        plan = A.sparse_attention_plan(T, Hh, K, rows_per_group=c["G"])
+        plan = A.sparse_attention_plan(T, Hh, K, rows_per_request=c["G"], share=True)
         nk = valid_keys(c)
         nf = fetched_rows(c)
         flops = 4 * 512 * Hh * nk

@@ -200,8 +200,9 @@ def test_plan_does_not_change_cpu_results():
     q = torch.randn(4, 64, 512, generator=g).to(torch.bfloat16)
     idx = make_indices(4, 30, 2, slots, g)
     sink = torch.randn(64, generator=g)
-    plan = A.sparse_attention_plan(4, 64, 30, rows_per_group=2, device="cpu")
+    plan = A.sparse_attention_plan(4, 64, 30, rows_per_request=2, share=True, device="cpu")
     assert plan == A.SparseAttentionPlan(2, 1)
+    assert A.sparse_attention_plan(4, 64, 30, rows_per_request=2, device="cpu") == A.SparseAttentionPlan(1, 1)
     a = ops.sparse_attention_paged(q, kv, 16, idx, sink, 0.04)
     b = ops.sparse_attention_paged(q, kv, 16, idx, sink, 0.04, plan=plan)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -255,10 +256,13 @@ def test_validation_slots_past_lengths_are_ignored_on_cpu():
 
 
 def test_plan_validation():
-    with pytest.raises(ValueError, match="rows_per_group"):
-        A.sparse_attention_plan(4, 64, 100, rows_per_group=3)
-    with pytest.raises(ValueError, match="rows_per_group"):
-        A.sparse_attention_plan(4, 128, 100, rows_per_group=8)
+    with pytest.raises(ValueError, match="rows_per_request"):
+        A.sparse_attention_plan(4, 64, 100, rows_per_request=3, share=True)
+    with pytest.raises(ValueError, match="rows_per_request"):
+        A.sparse_attention_plan(4, 64, 100, rows_per_request=5)
+    with pytest.raises(ValueError, match="rows_per_request"):
+        A.sparse_attention_plan(4, 128, 100, rows_per_request=8, share=True)
+    assert A.sparse_attention_plan(6, 64, 100, rows_per_request=3).group_rows == 1
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -309,7 +313,7 @@ def _run_case(H, G, T, K1, K2, dtypes=("fp8", "fp8"), lens=True, rope=True, out_
             kwg["extra_indices"] = kwg["extra_indices"].long()
     g_idx0 = gpu_idx[0].cuda().long() if idx64 else gpu_idx[0].cuda()
     plan = A.SparseAttentionPlan(G, splits) if splits else A.sparse_attention_plan(T, H, K1 + (K2 or 0),
-                                                                                    rows_per_group=G)
+                                                                                    rows_per_request=G, share=True)
     # reference in fp32 (q as fp32 so the "bf16" path returns fp32 o)
     ro, rlse = ops.sparse_attention_paged(q.float(), kv1.cpu(), ps[0], ref_idx[0], sink, scale,
                                           **{**kwr, "out_format": "bf16"})
@@ -403,7 +407,7 @@ def test_gpu_cuda_graph():
     i1 = torch.empty(T, 128, dtype=torch.int32, device="cuda")
     i2 = torch.empty(T, 512, dtype=torch.int32, device="cuda")
     sink = torch.randn(H, generator=gen).cuda()
-    plan = A.sparse_attention_plan(T, H, 640, rows_per_group=G)
+    plan = A.sparse_attention_plan(T, H, 640, rows_per_request=G, share=True)
     assert plan.num_splits > 1  # exercises the workspace and the combine inside the graph
 
     def fill(seed):

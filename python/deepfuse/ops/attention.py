@@ -191,30 +191,39 @@ _CUDA_G = (1, 2, 4)
 @dataclass(frozen=True)
 class SparseAttentionPlan:
     """Scheduling metadata of sparse_attention_paged for one step's shapes (host-only; reuse it
-    for every layer). rows_per_group: consecutive query rows that share key fetches (a
-    request's 1 + draft rows); num_splits: split-KV parts (1: no combine pass)."""
+    for every layer). group_rows: consecutive query rows whose CTAs form one cluster that
+    fetches and dequantises each shared key once (1: every row on its own); num_splits:
+    split-KV parts (1: no combine pass). A plan never changes the result, only the schedule."""
 
-    rows_per_group: int = 1
+    group_rows: int = 1
     num_splits: int = 1
 
 
-def sparse_attention_plan(T: int, H: int, K: int, *, rows_per_group: int = 1,
+def sparse_attention_plan(T: int, H: int, K: int, *, rows_per_request: int = 1, share: bool = False,
                           device: Optional[torch.device] = None) -> SparseAttentionPlan:
     """Plan for T query rows of H heads over K index columns in all (K = indices.shape[1] +
-    extra_indices.shape[1]), G = rows_per_group consecutive rows per request. Host only: no
-    device work, no sync. Without a CUDA device (or kernels) it returns the trivial plan."""
+    extra_indices.shape[1]); rows_per_request: consecutive rows of one request (1 + draft).
+    share=True groups a request's rows into one cluster (group_rows = rows_per_request), which
+    fetches each key their lists hold at the same position once; measured on the H200
+    (docs/notes/attention.md) this is still slower than share=False (group_rows = 1), the
+    default. Host only: no device work, no sync. Without a CUDA device (or kernels) the
+    plan has one split."""
     op = "sparse_attention_plan"
     check_int(op, "T", T, lo=0)
     check_int(op, "H", H, lo=1)
     check_int(op, "K", K, lo=0)
-    check_choice(op, "rows_per_group", rows_per_group, _CUDA_G)
-    if rows_per_group * max(1, H // 64) > 8:
-        raise ValueError(f"deepfuse: {op}: rows_per_group * H / 64 must be <= 8, got {rows_per_group} x {H}")
+    check_choice(op, "rows_per_request", rows_per_request, (1, 2, 3, 4))
+    G = rows_per_request if share else 1
+    if G not in _CUDA_G:
+        raise ValueError(f"deepfuse: {op}: share=True needs rows_per_request in {_CUDA_G}, got {rows_per_request}")
+    if G * max(1, H // 64) > 8:
+        raise ValueError(f"deepfuse: {op}: rows_per_request * H / 64 must be <= 8 with share=True, "
+                         f"got {rows_per_request} x {H}")
     dev = torch.device(device) if device is not None else (torch.device("cuda") if torch.cuda.is_available() else None)
     if dev is None or dev.type != "cuda" or not _ext.has_cuda_kernels() or H not in _CUDA_H:
-        return SparseAttentionPlan(rows_per_group, 1)
+        return SparseAttentionPlan(G, 1)
     with torch.cuda.device(dev):
-        G, splits, _, _ = _ext.ext(dev).sparse_attention_plan(int(T), int(H), int(K), int(rows_per_group))
+        G, splits, _, _ = _ext.ext(dev).sparse_attention_plan(int(T), int(H), int(K), int(G))
     return SparseAttentionPlan(G, splits)
 
 
@@ -268,7 +277,8 @@ def _(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_s
     K_all = s0[7] + s1[7]
     splits = int(num_splits)
     if splits <= 0:
-        splits = sparse_attention_plan(T, H, K_all, rows_per_group=rows_per_group, device=q.device).num_splits
+        G = int(rows_per_group)
+        splits = sparse_attention_plan(T, H, K_all, rows_per_request=G, share=G > 1, device=q.device).num_splits
     splits = max(1, min(splits, max(1, -(-K_all // 32))))
     ws_o = ws_ml = None
     if splits > 1:
@@ -356,7 +366,7 @@ def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, kv_page_size: int,
         raise ValueError(f"deepfuse: {op}: mxfp8 output needs H * D % 32 == 0, got {H * D}")
     if plan is not None and not isinstance(plan, SparseAttentionPlan):
         raise TypeError(f"deepfuse: {op}: plan must come from sparse_attention_plan(...), got {type(plan).__name__}")
-    G, splits = (plan.rows_per_group, plan.num_splits) if plan is not None else (1, 0)
+    G, splits = (plan.group_rows, plan.num_splits) if plan is not None else (1, 0)
     q8, s8, lse = torch.ops.deepfuse.sparse_attention_paged(
         q, kv, int(kv_page_size), indices, sink, float(scale), lengths, extra_kv, int(extra_page_size),
         extra_indices, extra_lengths, cos, sin, out_format, G, splits)
