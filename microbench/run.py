@@ -11,6 +11,7 @@ BENCHES = [
     "bench_block_cast",
     "bench_topk",
     "bench_kvcache",
+    "bench_attention",
 ]
 
 

@@ -12,10 +12,12 @@ q: [B, S, H, D], kv: [B, N, D], indices: [B, S, K] int32/int64 in [-1, N), sink:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from deepfuse import _ext
 from deepfuse import kv_format as _KVF
 from deepfuse.ops._checks import check_choice, check_int, check_tensor
 from deepfuse.ops._registry import op
@@ -133,6 +135,8 @@ def sparse_attention_paged_ref(q, kv, kv_page_size: int, indices, sink, scale: f
             rows.append(_source_rows(src, ps, torch.where(ok, ix, 0), D))
             valid.append(ok)
         r, v = torch.cat(rows, 1), torch.cat(valid, 1)  # [t, K, D], [t, K]
+        # skipped slots read row 0 (clamped), which may hold anything (a poisoned page): zero it
+        r = torch.where(v.unsqueeze(-1), r, r.new_zeros(()))
         logits = torch.einsum("thd,tkd->thk", q[t0:t1].float(), r) * scale
         logits = logits.masked_fill(~v.unsqueeze(1), float("-inf"))
         m = torch.maximum(logits.amax(-1), sinkf)
@@ -155,21 +159,142 @@ def sparse_attention_paged_ref(q, kv, kv_page_size: int, indices, sink, scale: f
 @op("sparse_attention_paged",
     "(Tensor q, Tensor kv, int kv_page_size, Tensor indices, Tensor sink, float scale, Tensor? lengths, "
     "Tensor? extra_kv, int extra_page_size, Tensor? extra_indices, Tensor? extra_lengths, Tensor? cos, "
-    "Tensor? sin, str out_format) -> (Tensor, Tensor, Tensor)")
+    "Tensor? sin, str out_format, int rows_per_group=1, int num_splits=0) -> (Tensor, Tensor, Tensor)")
 def _sparse_attention_paged(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_size,
-                            extra_indices, extra_lengths, cos, sin, out_format):
+                            extra_indices, extra_lengths, cos, sin, out_format, rows_per_group=1, num_splits=0):
     return sparse_attention_paged_ref(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv,
                                       extra_page_size, extra_indices, extra_lengths, cos, sin, out_format)
 
 
 @_sparse_attention_paged.register_fake
 def _(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_size, extra_indices,
-      extra_lengths, cos, sin, out_format):
+      extra_lengths, cos, sin, out_format, rows_per_group=1, num_splits=0):
     T, H, D = q.shape
     lse = q.new_empty(T, H, dtype=torch.float32)
     if out_format == "mxfp8":
         return (q.new_empty(T, H * D, dtype=torch.float8_e4m3fn), q.new_empty(T, H * D // 32, dtype=torch.uint8), lse)
     return torch.empty_like(q), q.new_empty(0, dtype=torch.uint8), lse
+
+
+# ----------------------------------------------------------------------------- CUDA path
+# csrc/attention (sm90a): bf16 tensor-core MMAs over FP8-dequantised (or bf16) keys. A CTA
+# owns 64 heads of one query row; the G = rows_per_group consecutive rows of a group (a
+# request's 1 + draft rows) form a cluster that fetches and dequantises each key once for
+# all of them wherever their slots agree at the same list position (other keys are fetched
+# per row: always correct, shared only where the lists align). Split-KV over the SMs with a
+# combine kernel when there are few CTAs; the epilogue (sink, inverse RoPE, bf16 or MXFP8)
+# runs in the last kernel. Requirements: H in {64, 128}, D = 512, bf16 q, FP8 or bf16 pages.
+_CUDA_H = (64, 128)
+_CUDA_G = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class SparseAttentionPlan:
+    """Scheduling metadata of sparse_attention_paged for one step's shapes (host-only; reuse it
+    for every layer). group_rows: consecutive query rows whose CTAs form one cluster that
+    fetches and dequantises each shared key once (1: every row on its own); num_splits:
+    split-KV parts (1: no combine pass). A plan never changes the result, only the schedule."""
+
+    group_rows: int = 1
+    num_splits: int = 1
+
+
+def sparse_attention_plan(T: int, H: int, K: int, *, rows_per_request: int = 1, share: bool = False,
+                          device: Optional[torch.device] = None) -> SparseAttentionPlan:
+    """Plan for T query rows of H heads over K index columns in all (K = indices.shape[1] +
+    extra_indices.shape[1]); rows_per_request: consecutive rows of one request (1 + draft).
+    share=True groups a request's rows into one cluster (group_rows = rows_per_request), which
+    fetches each key their lists hold at the same position once; measured on the H200
+    (docs/notes/attention.md) this is still slower than share=False (group_rows = 1), the
+    default. Host only: no device work, no sync. Without a CUDA device (or kernels) the
+    plan has one split."""
+    op = "sparse_attention_plan"
+    check_int(op, "T", T, lo=0)
+    check_int(op, "H", H, lo=1)
+    check_int(op, "K", K, lo=0)
+    check_choice(op, "rows_per_request", rows_per_request, (1, 2, 3, 4))
+    G = rows_per_request if share else 1
+    if G not in _CUDA_G:
+        raise ValueError(f"deepfuse: {op}: share=True needs rows_per_request in {_CUDA_G}, got {rows_per_request}")
+    if G * max(1, H // 64) > 8:
+        raise ValueError(f"deepfuse: {op}: rows_per_request * H / 64 must be <= 8 with share=True, "
+                         f"got {rows_per_request} x {H}")
+    dev = torch.device(device) if device is not None else (torch.device("cuda") if torch.cuda.is_available() else None)
+    if dev is None or dev.type != "cuda" or not _ext.has_cuda_kernels() or H not in _CUDA_H:
+        return SparseAttentionPlan(G, 1)
+    with torch.cuda.device(dev):
+        G, splits, _, _ = _ext.ext(dev).sparse_attention_plan(int(T), int(H), int(K), int(G))
+    return SparseAttentionPlan(G, splits)
+
+
+def _cuda_source(op, name, src, ps, idx, lens):
+    if src.dtype == torch.uint8:
+        fp8, page_bytes = 1, ps * _KVF.KV_ROW_BYTES
+    elif src.dtype == torch.bfloat16:
+        fp8, page_bytes = 0, ps * _KVF.KV_DIM * 2
+    else:
+        raise ValueError(f"deepfuse: {op}: {name} must be FP8 (uint8) or bf16 pages on CUDA, got {src.dtype}")
+    n = src.shape[0] * ps
+    if n >= 2**31:
+        raise ValueError(f"deepfuse: {op}: {name} has {n} slots; the CUDA kernel takes < 2^31")
+    if src.data_ptr() % 16:
+        raise ValueError(f"deepfuse: {op}: {name} must be 16-byte aligned")
+    return (src.data_ptr(), n, page_bytes, ps, fp8, idx.data_ptr(), int(idx.dtype == torch.int64), idx.shape[1],
+            lens.data_ptr() if lens is not None else 0, int(lens is not None and lens.dtype == torch.int64))
+
+
+@_sparse_attention_paged.register_kernel("cuda")
+def _(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_size, extra_indices, extra_lengths,
+      cos, sin, out_format, rows_per_group=1, num_splits=0):
+    op = "sparse_attention_paged"
+    T, H, D = q.shape
+    pages = (torch.uint8, torch.bfloat16)
+    if (q.dtype != torch.bfloat16 or H not in _CUDA_H or D != _KVF.KV_DIM or kv.dtype not in pages
+            or extra_kv is not None and extra_kv.dtype not in pages):
+        # outside the kernel's shapes (V4: bf16 q, H 64 / 128, D 512): the reference, on the GPU
+        return sparse_attention_paged_ref(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv,
+                                          extra_page_size, extra_indices, extra_lengths, cos, sin, out_format)
+    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        raise ValueError(f"deepfuse: {op}: q needs unit stride in D, 16-byte aligned rows on CUDA")
+    if rows_per_group not in _CUDA_G or rows_per_group * (H // 64) > 8:
+        raise ValueError(f"deepfuse: {op}: rows_per_group must be in {_CUDA_G} with rows_per_group * H / 64 <= 8, "
+                         f"got {rows_per_group}")
+    mx = out_format == "mxfp8"
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if mx:
+        out = torch.empty(T, H * D, dtype=torch.float8_e4m3fn, device=q.device)
+        out_s = torch.empty(T, H * D // 32, dtype=torch.uint8, device=q.device)
+    else:
+        out = torch.empty(T, H, D, dtype=torch.bfloat16, device=q.device)
+        out_s = q.new_empty(0, dtype=torch.uint8)
+    if T == 0:
+        return out, out_s, lse
+    s0 = _cuda_source(op, "kv", kv, kv_page_size, indices, lengths)
+    if extra_kv is not None:
+        s1 = _cuda_source(op, "extra_kv", extra_kv, extra_page_size, extra_indices, extra_lengths)
+    else:
+        s1 = (0, 0, 0, 16, 0, 0, 0, 0, 0, 0)
+    K_all = s0[7] + s1[7]
+    splits = int(num_splits)
+    if splits <= 0:
+        G = int(rows_per_group)
+        splits = sparse_attention_plan(T, H, K_all, rows_per_request=G, share=G > 1, device=q.device).num_splits
+    splits = max(1, min(splits, max(1, -(-K_all // 32))))
+    ws_o = ws_ml = None
+    if splits > 1:
+        ws = torch.empty(splits * T * H * (D + 2), dtype=torch.float32, device=q.device)
+        ws_o, ws_ml = ws[:splits * T * H * D], ws[splits * T * H * D:]
+    rp = 0
+    if cos is not None:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rp = cos.shape[1]
+    _ext.ext(q.device).sparse_attention_paged(
+        q.data_ptr(), q.stride(0), q.stride(1), T, H, s0, s1, sink.contiguous().data_ptr(),
+        float(scale) * 1.4426950408889634, cos.data_ptr() if cos is not None else 0,
+        sin.data_ptr() if sin is not None else 0, rp, mx, out.data_ptr(), out_s.data_ptr() if mx else 0,
+        lse.data_ptr(), int(rows_per_group), splits, ws_o.data_ptr() if ws_o is not None else 0,
+        ws_ml.data_ptr() if ws_ml is not None else 0, _ext.stream(q.device))
+    return out, out_s, lse
 
 
 def _check_source(op: str, name: str, src, ps, idx, lens, iname: str, lname: str, T: int, D: int, device) -> None:
@@ -214,8 +339,8 @@ def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, kv_page_size: int,
     """Attention of q [T, H, D] over paged KV slots (see the section doc above).
 
     -> (out, lse): out [T, H, D] in q's dtype ("bf16") or (e4m3 [T, H * D], UE8M0 [T, H * D / 32])
-    ("mxfp8"); lse [T, H] fp32. `plan` is optional per-step scheduling metadata (ignored by the
-    reference)."""
+    ("mxfp8"); lse [T, H] fp32. `plan` (sparse_attention_plan(...)) is optional per-step scheduling
+    metadata: it changes the CUDA kernel's schedule, never the result; the reference ignores it."""
     op = "sparse_attention_paged"
     check_tensor(op, "q", q, dtypes=_FLOATS, ndim=3)
     T, H, D = q.shape
@@ -239,7 +364,10 @@ def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, kv_page_size: int,
             raise ValueError(f"deepfuse: {op}: inv_rope tables must be [{T}, R/2] with R <= {D}, got {list(cos.shape)}")
     if out_format == "mxfp8" and (H * D) % 32:
         raise ValueError(f"deepfuse: {op}: mxfp8 output needs H * D % 32 == 0, got {H * D}")
+    if plan is not None and not isinstance(plan, SparseAttentionPlan):
+        raise TypeError(f"deepfuse: {op}: plan must come from sparse_attention_plan(...), got {type(plan).__name__}")
+    G, splits = (plan.group_rows, plan.num_splits) if plan is not None else (1, 0)
     q8, s8, lse = torch.ops.deepfuse.sparse_attention_paged(
         q, kv, int(kv_page_size), indices, sink, float(scale), lengths, extra_kv, int(extra_page_size),
-        extra_indices, extra_lengths, cos, sin, out_format)
+        extra_indices, extra_lengths, cos, sin, out_format, G, splits)
     return ((q8, s8) if out_format == "mxfp8" else q8), lse

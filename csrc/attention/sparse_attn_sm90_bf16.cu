@@ -1,0 +1,63 @@
+// Sparse attention over paged KV, sm90: kernel instantiations and launches (bf16 MMAs over
+// FP8-dequantised or bf16 keys). The policy (groups, splits) is in sparse_attn_plan.cu.
+#include "attention/sparse_attn_sm90_bf16.cuh"
+#include "common/cuda_utils.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace deepfuse {
+
+namespace {
+
+template <int G>
+void launch_main(const AttnParams& p, int C, cudaStream_t stream) {
+  static bool attr_done[9] = {false};  // per cluster size (smem differs)
+  const int smem = attn::smem_bytes(C);
+  if (!attr_done[C]) {
+    check_cuda(cudaFuncSetAttribute(attn::sparse_attn_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    attn::smem_bytes(1)),
+               "sparse_attention: smem attribute");
+    attr_done[C] = true;
+  }
+  const int64_t groups = (static_cast<int64_t>(p.T) + G - 1) / G;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(groups * C), static_cast<unsigned>(p.splits), 1);
+  cfg.blockDim = dim3(attn::kThreads, 1, 1);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(C);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = C > 1 ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&cfg, attn::sparse_attn_kernel<G>, p), "sparse_attention: launch");
+  check_launch("sparse_attention");
+}
+
+}  // namespace
+
+void sparse_attention_paged(const AttnParams& p, cudaStream_t stream) {
+  if (p.T == 0 || p.H == 0) return;
+  if (p.H != 64 && p.H != 128) throw std::invalid_argument("deepfuse: sparse_attention_paged: H must be 64 or 128");
+  if (p.G != 1 && p.G != 2 && p.G != 4) throw std::invalid_argument("deepfuse: sparse_attention_paged: G must be 1, 2 or 4");
+  const int C = p.G * (p.H / attn::kRows);
+  if (C > 8) throw std::invalid_argument("deepfuse: sparse_attention_paged: G * H / 64 must be <= 8");
+  if (p.splits < 1 || p.splits > 65535) throw std::invalid_argument("deepfuse: sparse_attention_paged: bad splits");
+  if (p.splits > 1 && (p.ws_o == nullptr || p.ws_ml == nullptr))
+    throw std::invalid_argument("deepfuse: sparse_attention_paged: splits > 1 needs a workspace");
+  switch (p.G) {
+    case 1: launch_main<1>(p, C, stream); break;
+    case 2: launch_main<2>(p, C, stream); break;
+    default: launch_main<4>(p, C, stream); break;
+  }
+  if (p.splits > 1) {
+    const int64_t n = static_cast<int64_t>(p.T) * p.H;
+    attn::sparse_attn_combine_kernel<<<static_cast<unsigned>(n), 128, 0, stream>>>(p);
+    check_launch("sparse_attention: combine");
+  }
+}
+
+}  // namespace deepfuse
