@@ -30,6 +30,15 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def gpu_idle(eng) -> tuple[float, float]:
+    """-> (median GPU idle time between consecutive steps' GPU work, median busy time), ms."""
+    torch.cuda.synchronize()
+    ev = eng.gpu_events
+    gaps = [max(0.0, a[1].elapsed_time(b[0])) for a, b in zip(ev, ev[1:])]
+    busy = [s.elapsed_time(e) for s, e in ev]
+    return statistics.median(gaps), statistics.median(busy)
+
+
 def bench(llm, B: int, context: int, steps: int) -> dict:
     from deepfuse.engine import SamplingParams
 
@@ -48,6 +57,9 @@ def bench(llm, B: int, context: int, steps: int) -> dict:
                 print(f"  note: {o.request_id} finished during prefill ({o.finish_reason})")
     if len(eng.scheduler.running) != B:
         raise RuntimeError(f"{len(eng.scheduler.running)} running after prefill, expected {B}: {eng.stats()}")
+    cuda = dev.type == "cuda"
+    if cuda:
+        eng.gpu_events = []
     prep, sched, step = [], [], []
     for _ in range(steps):
         _sync(dev)
@@ -56,7 +68,14 @@ def bench(llm, B: int, context: int, steps: int) -> dict:
         step.append(time.perf_counter() - t0)
         prep.append(eng.prepare_times[-1])
         sched.append(eng.prepare_times[-1] - eng.runner.last_prepare_s)
+    idle_ms = busy_ms = None
+    if cuda:
+        idle_ms, busy_ms = gpu_idle(eng)
+        eng.gpu_events = None
     # the bare forward on the context of one more decode step
+    if eng._inflight is not None:  # settle the overlapped step in flight
+        eng._settle(eng._inflight)
+        eng._inflight = None
     chunks = eng.scheduler.schedule()
     ctx = eng.runner.prepare(chunks)
     assert ctx.num_tokens == B, (ctx.num_tokens, B)
@@ -75,7 +94,8 @@ def bench(llm, B: int, context: int, steps: int) -> dict:
     eng.step()
     med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     return {"B": B, "context": context, "sched_ms": med(sched), "prep_ms": med(prep), "prep_p90_ms": sorted(prep)[int(0.9 * len(prep))] * 1e3,
-            "step_ms": med(step), "forward_ms": med(fwd), "overhead": med(step) / med(fwd)}
+            "step_ms": med(step), "forward_ms": med(fwd), "overhead": med(step) / med(fwd),
+            "gpu_idle_ms": idle_ms, "gpu_busy_ms": busy_ms, "overlap": eng.overlap}
 
 
 def main(argv=None) -> int:
@@ -88,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kv-dtype", default="auto")
+    ap.add_argument("--overlap", choices=["on", "off", "both"], default="both")
     a = ap.parse_args(argv)
     from deepfuse.engine import LLM
 
@@ -95,15 +116,18 @@ def main(argv=None) -> int:
         a.steps = min(a.steps, 8)
     dev = torch.device(a.device)
     B_max = max(a.batches)
-    llm = LLM(a.model, device=dev, kv_dtype=a.kv_dtype, max_num_seqs=B_max,
-              max_num_batched_tokens=max(2048, a.context * 4), max_total_tokens=B_max * (a.context + 1100))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"# engine overhead | {name} | model {a.model} | kv {a.kv_dtype} | context {a.context}")
-    rows = [bench(llm, B, a.context, a.steps) for B in a.batches]
-    heads = ["B", "context", "sched_ms", "prep_ms", "prep_p90_ms", "step_ms", "forward_ms", "overhead"]
+    rows = []
+    for ov in ([False, True] if a.overlap == "both" else [a.overlap == "on"]):
+        llm = LLM(a.model, device=dev, kv_dtype=a.kv_dtype, max_num_seqs=B_max, overlap=ov,
+                  max_num_batched_tokens=max(2048, a.context * 4), max_total_tokens=B_max * (a.context + 1100))
+        rows += [bench(llm, B, a.context, a.steps) for B in a.batches]
+        del llm
+    heads = ["overlap", "B", "context", "sched_ms", "prep_ms", "prep_p90_ms", "step_ms", "forward_ms", "overhead", "gpu_idle_ms", "gpu_busy_ms"]
     print("  ".join(f"{h:>11}" for h in heads))
     for r in rows:
-        print("  ".join(f"{r[h]:>11.3f}" if isinstance(r[h], float) else f"{r[h]:>11}" for h in heads))
+        print("  ".join(f"{r[h]:>11.3f}" if isinstance(r[h], float) else f"{str(r[h]):>11}" for h in heads))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     import os

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from deepfuse import models
-from deepfuse.engine import LLM, Engine, EngineConfig, SamplingParams
+from deepfuse.engine import LLM, Engine, EngineConfig, RequestOutput, SamplingParams
 from deepfuse.engine.allocator import PageAllocator
 
 # cross the window (16), the CSA ratio (4, index_topk 8) and the HCA ratio (128) of the tiny model
@@ -269,3 +269,45 @@ def test_token_constraint(tiny):
     assert len(got["free"]) == 10
     with pytest.raises(ValueError, match="constraint"):
         eng.add_request("bad", p, SamplingParams(), constraint=object())
+
+
+def test_overlap_on_and_off_give_identical_outputs(tiny):
+    """The overlapping loop (step N+1 scheduled and launched before step N's tokens are read
+    back; stop conditions one step late) against the plain loop: same tokens, finish reasons
+    and logprobs, with stop tokens, eos, max_tokens, sampling, preemption and an abort."""
+    prompts = prompts_for([3, 150, 40, 270, 1, 129, 64, 20, 9, 33], tiny.cfg.vocab_size, seed=31)
+    ref0 = LLM(tiny, max_total_tokens=3000).generate(prompts[:1], SamplingParams(max_tokens=6, ignore_eos=True))
+    stop = ref0[0].token_ids[2]
+    params = [SamplingParams(max_tokens=12 + (3 * i) % 11, ignore_eos=i % 3 != 0, stop_token_ids=[stop],
+                             temperature=0.9 if i % 2 else 0.0, top_k=40 if i % 2 else 0, seed=i,
+                             logprobs=1 if i == 4 else None) for i in range(len(prompts))]
+    runs = []
+    for overlap in (False, True):
+        eng = LLM(tiny, max_num_seqs=4, max_num_batched_tokens=41, max_total_tokens=480, overlap=overlap).engine
+        assert eng.overlap == overlap
+        got: dict[str, RequestOutput] = {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.add_request(f"q{i}", p, sp)
+        steps = 0
+        while eng.has_unfinished():
+            if steps == 6:
+                eng.abort("q7")
+            for o in eng.step():
+                a = got.setdefault(o.request_id, RequestOutput(o.request_id, o.prompt_token_ids, []))
+                a.token_ids += o.token_ids
+                a.logprobs = (a.logprobs or []) + (o.logprobs or [])
+                if o.finished:
+                    a.finished, a.finish_reason = True, o.finish_reason
+            steps += 1
+            assert steps < 3000
+        assert eng.stats()["num_preemptions"] > 0
+        assert_cache_empty(eng)
+        runs.append({k: (v.token_ids, v.finish_reason, [round(x, 4) for x in v.logprobs]) for k, v in got.items()})
+    plain, over = runs
+    assert plain.keys() == over.keys()
+    for k in plain:
+        if k == "q7":  # aborted at a step boundary: the overlapped run is one token behind
+            assert over[k][1] == plain[k][1] == "abort"
+            continue
+        assert over[k] == plain[k], k
+    assert any(v[1] == "stop" for v in plain.values())

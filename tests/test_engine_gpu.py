@@ -51,3 +51,15 @@ def test_gpu_seeded_sampling_matches_cpu():
     a = LLM(cpu, max_total_tokens=1000).generate(prompts, sp)
     b = LLM(gpu, max_total_tokens=1000).generate(prompts, sp)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_gpu_overlap_and_speculation_match_plain(k):
+    """fp32 on the GPU: overlap (the CUDA default) and MTP speculation give the plain loop's
+    greedy tokens."""
+    gpu = models.tiny.load(device="cuda")
+    prompts = prompts_for([5, 140, 40, 260], gpu.cfg.vocab_size, seed=17)
+    sp = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(4)]
+    plain = LLM(gpu, max_total_tokens=3000, overlap=False).generate(prompts, sp)
+    other = LLM(gpu, max_total_tokens=3000, num_speculative_tokens=k, max_num_batched_tokens=64).generate(prompts, sp)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in other]

@@ -24,6 +24,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     page_size: int = 64
     seed: int = 0
+    overlap: Optional[bool] = None           # schedule step N+1 while step N runs (None: on for CUDA)
     num_speculative_tokens: int = 0          # MTP drafts per step (0: no speculation)
     spec_simulate_acc_len: Optional[float] = None  # benchmark knob: accept this many tokens per step on average
 
@@ -43,6 +44,22 @@ class EngineConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"deepfuse: {name} must be None or an int >= 1, got {v!r}")
         return self
+
+
+PENDING = -1  # an output token still on the device (overlap: its step is in flight)
+
+
+@dataclass
+class _Inflight:
+    """A launched step whose sampled tokens have not been read back yet."""
+
+    step: int
+    chunks: list
+    ctx: object
+    res: object                    # SamplerOutput on the device
+    host: list                     # pinned host copies of res' tensors (tokens, logprobs, top ids, top values)
+    event: Optional[object]        # CUDA event after the copies
+    rows: list                     # (request, index of its placeholder token) per sampled row
 
 
 class Engine:
@@ -73,6 +90,9 @@ class Engine:
         self._aborted: list[Request] = []
         self._arrivals = 0
         self._rng = random.Random(config.seed)
+        self.overlap = config.overlap if config.overlap is not None else model.device.type == "cuda"
+        self._inflight: Optional[_Inflight] = None
+        self.gpu_events: Optional[list] = None  # set to [] to record (start, end) CUDA events of each step's GPU work
         self.num_steps = 0
         self.step_times: list[float] = []      # wall time per step (host-synchronised by the token read)
         self.prepare_times: list[float] = []   # host time per step in scheduling + context building
@@ -129,14 +149,16 @@ class Engine:
         self._aborted.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self._reqs) or bool(self._aborted)
+        return bool(self._reqs) or bool(self._aborted) or self._inflight is not None
 
     # ------------------------------------------------------------------ one step
-    def _finish_reason(self, req: Request, tok: int) -> Optional[str]:
+    def _finish_reason(self, req: Request, tok: int, n: Optional[int] = None) -> Optional[str]:
+        """Why req ends with tok as its n-th generated token (default: the last one), or None."""
         p = req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
             return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        n = len(req.output_token_ids) if n is None else n
+        if n >= p.max_tokens or len(req.prompt_token_ids) + n >= self.max_model_len:
             return "length"
         return None
 
@@ -176,14 +198,36 @@ class Engine:
         return k
 
     def step(self) -> list[RequestOutput]:
+        """Run one step -> the outputs of the requests that advanced or ended. With overlap the
+        step's own tokens are read back (and reported) by the next call, after that call has
+        launched the following step."""
         outs = [RequestOutput(r.request_id, r.prompt_token_ids, [], True, "abort") for r in self._aborted]
         self._aborted.clear()
+        if self.overlap and self.spec is None and not any(r.constraint is not None for r in self._reqs.values()):
+            return outs + self._step_overlap()
+        if self._inflight is not None:  # leaving overlap: settle the step in flight first
+            outs += self._settle(self._inflight)
+            self._inflight = None
+        return outs + self._step_sync()
+
+    def _event(self):
+        if self.gpu_events is None or self.model.device.type != "cuda":
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _step_sync(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         t_sched = time.perf_counter() - t0
         if not chunks:
             return outs
+        ev0 = self._event()
         emissions, streams, ctx = self._emissions(chunks)
+        if ev0 is not None:
+            self.gpu_events.append((ev0, self._event()))
         now = time.perf_counter()
         for c, e in zip(chunks, emissions):
             req = c.req
@@ -223,6 +267,95 @@ class Engine:
         self.num_steps += 1
         self.step_times.append(time.perf_counter() - t0)
         self.prepare_times.append(t_sched + self.runner.last_prepare_s)
+        return outs
+
+    # ------------------------------------------------------------------ overlap
+    def _step_overlap(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        t_sched = time.perf_counter() - t0
+        launched = None
+        if chunks:
+            r = self.runner
+            ev0 = self._event()
+            prev = self._inflight.res.tokens if self._inflight is not None else None
+            ctx = r.prepare(chunks, pending_tokens=prev)
+            logits = r.forward(chunks, ctx)
+            for c in chunks:
+                c.req.num_computed = c.start + c.count
+            if logits.shape[0]:
+                res = r.sampler(logits, r.sampling_batch(chunks, ctx))
+                tensors = [t for t in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if t is not None]
+                event = None
+                if logits.is_cuda:
+                    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                            for t in tensors]
+                    event = torch.cuda.Event()
+                    event.record()
+                else:
+                    host = tensors
+                if ev0 is not None:
+                    self.gpu_events.append((ev0, self._event()))
+                rows = []
+                for row, i in enumerate(ctx.logits_req):
+                    req = chunks[i].req
+                    req.append_token(PENDING)
+                    req.pending = (self.num_steps, row)
+                    rows.append((req, len(req.output_token_ids) - 1))
+                    if (len(req.output_token_ids) >= req.params.max_tokens
+                            or req.num_tokens >= self.max_model_len):
+                        req.final_pending = True  # it ends with this token: schedule it no more
+                launched = _Inflight(self.num_steps, chunks, ctx, res, host, event, rows)
+        outs = self._settle(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        if chunks:
+            self.num_steps += 1
+            self.step_times.append(time.perf_counter() - t0)
+            self.prepare_times.append(t_sched + self.runner.last_prepare_s)
+        return outs
+
+    def _settle(self, f: _Inflight) -> list[RequestOutput]:
+        """Read back a launched step's tokens; stop conditions are resolved here, one step late."""
+        if f.event is not None:
+            f.event.synchronize()
+        host = [t.tolist() for t in f.host]
+        toks = host[0]
+        k = 1
+        lps = tops_i = tops_v = None
+        if f.res.logprobs is not None:
+            lps, k = host[k], k + 1
+        if f.res.top_ids is not None:
+            tops_i, tops_v = host[k], host[k + 1]
+        outs, now = [], time.perf_counter()
+        for row, (req, idx) in enumerate(f.rows):
+            if req.pending == (f.step, row):
+                req.pending = None
+            if req.finish_reason is not None or idx >= len(req.output_token_ids):
+                continue  # ended (or aborted) before this token was read back
+            tok = toks[row]
+            req.output_token_ids[idx] = tok
+            if req.first_token_time is None:
+                req.first_token_time = now
+            o = RequestOutput(req.request_id, req.prompt_token_ids, [tok])
+            n = req.params.logprobs
+            if n is not None:
+                req.logprobs.append(lps[row])
+                o.logprobs = [lps[row]]
+                if n > 0:
+                    d = dict(zip(tops_i[row][:n], tops_v[row][:n]))
+                    req.top_logprobs.append(d)
+                    o.top_logprobs = [d]
+            reason = self._finish_reason(req, tok, idx + 1)
+            if reason is not None:
+                del req.output_token_ids[idx + 1:]  # tokens of the step launched after this one
+                req.num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+                req.finish_reason = reason
+                self.scheduler.remove(req)
+                self._reqs.pop(req.request_id, None)
+                o.finished, o.finish_reason = True, reason
+                o.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                             "finish_time": now, "num_preemptions": req.num_preemptions}
+            outs.append(o)
         return outs
 
     def stats(self) -> dict:

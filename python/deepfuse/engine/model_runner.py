@@ -36,9 +36,12 @@ class ModelRunner:
         self.last_prepare_s = 0.0  # host time of the last step's context building
         self.captured: Optional[list] = None  # set to [] to keep (request ids, logits) of every step (tests)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepContext:
+    def prepare(self, chunks: list[ScheduledChunk], pending_tokens: Optional[torch.Tensor] = None) -> StepContext:
+        """The step context of chunks. pending_tokens: the in-flight step's sampled tokens on
+        the device; a request's last token that is still there (req.pending) is taken from it."""
         t0 = time.perf_counter()
         starts, counts, slots, nlog, ids = [], [], [], [], []
+        patch_rows, patch_src = [], []
         for c in chunks:
             req, a, n = c.req, c.start, c.count
             starts.append(a)
@@ -54,11 +57,18 @@ class ModelRunner:
                 ids.append(req.token(a))
             else:
                 ids.extend(req.tokens(a, a + n))
+            if req.pending is not None and a + n == req.num_tokens:
+                patch_rows.append(len(ids) - 1)
+                patch_src.append(req.pending[1])
+                ids[-1] = 0
         i64 = np.int64
         starts, counts, slots, ids = (np.array(x, dtype=i64) for x in (starts, counts, slots, ids))
         ctx = build_context(ids, starts, counts, slots, np.array(nlog, dtype=i64), self.cache.geometry,
                             self.cache.block_tables,
                             self.device, self.cache.host_block_tables)
+        if patch_rows:
+            rows = torch.tensor(patch_rows, device=self.device)
+            ctx.input_ids[rows] = pending_tokens[torch.tensor(patch_src, device=self.device)]
         self.last_prepare_s = time.perf_counter() - t0
         return ctx
 

@@ -72,7 +72,8 @@ class Scheduler:
     def _make_room(self, req: Request, tokens: int, scheduled: set) -> bool:
         """Free cache until `req` can hold `tokens` tokens; False if req itself was preempted."""
         while self.cache.free_tokens < tokens - req.cache.tokens:
-            victim = next(r for r in reversed(self.running) if id(r) not in scheduled)  # the newest; req is a candidate
+            cands = [r for r in reversed(self.running) if id(r) not in scheduled]  # newest first; req is one
+            victim = next((r for r in cands if not r.final_pending), cands[0])  # ending ones free memory soon
             self._preempt(victim)
             if victim is req:
                 return False
@@ -90,8 +91,8 @@ class Scheduler:
                 if budget == 0:
                     break
                 left = req.num_tokens - req.num_computed
-                if (left == 1) != want_decode or req.status is not Status.RUNNING:
-                    continue  # other pass, or preempted by an older request of this step
+                if (left == 1) != want_decode or req.status is not Status.RUNNING or req.final_pending:
+                    continue  # other pass, preempted by an older request of this step, or ending
                 n = left if left < budget else budget
                 if left == 1 and req.drafts:  # verify the drafts too, as far as the budget allows
                     n = min(1 + len(req.drafts), budget)
@@ -115,6 +116,8 @@ class Scheduler:
         # for its next step (admitting into the last free tokens would preempt at once)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and cache.free_slots:
             req = self.waiting[0]
+            if req.final_pending:
+                break  # its last token is being read back: it ends, it does not run again
             n = min(req.num_tokens, budget, cache.free_tokens - len(self.running))
             if n <= 0:
                 break

@@ -61,22 +61,29 @@ def swiglu_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tens
     return (F.silu(g) * u).to(gate.dtype)
 
 
+def _expert(x, e, w1, w3, w2, s1, s3, s2, fmt, limit):
+    sel = (lambda s: None if s is None else s[e])
+    g = F.linear(x, dequant_weight(w1[e], sel(s1), fmt))
+    u = F.linear(x, dequant_weight(w3[e], sel(s3), fmt))
+    return F.linear(swiglu_ref(g, u, limit), dequant_weight(w2[e], sel(s2), fmt))
+
+
 def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt: str, limit: float):
     T, d = x.shape
     E = w1.shape[0]
     out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
-    flat = ids.reshape(-1)
-    for e in torch.unique(flat).tolist():  # host sync: reference only
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # no host sync inside a CUDA graph: every expert on every token, weighted by its routing
+        w = (weights.float().unsqueeze(-1) * (ids.unsqueeze(-1) == torch.arange(E, device=x.device))).sum(1)
+        for e in range(E):
+            out += _expert(x.float(), e, w1, w3, w2, s1, s3, s2, fmt, limit) * w[:, e:e + 1]
+        return out.to(x.dtype)
+    for e in torch.unique(ids.reshape(-1)).tolist():  # host sync: reference only (eager)
         if e < 0 or e >= E:
             continue
         rows, slots = torch.nonzero(ids == e, as_tuple=True)
-        h = x[rows].float()
-        sel = (lambda s: None if s is None else s[e])
-        g = F.linear(h, dequant_weight(w1[e], sel(s1), fmt))
-        u = F.linear(h, dequant_weight(w3[e], sel(s3), fmt))
-        a = swiglu_ref(g, u, limit)
-        y = F.linear(a, dequant_weight(w2[e], sel(s2), fmt)) * weights[rows, slots].float().unsqueeze(-1)
-        out.index_add_(0, rows, y)
+        y = _expert(x[rows].float(), e, w1, w3, w2, s1, s3, s2, fmt, limit)
+        out.index_add_(0, rows, y * weights[rows, slots].float().unsqueeze(-1))
     return out.to(x.dtype)
 
 
