@@ -68,11 +68,15 @@ def _expert(x, e, w1, w3, w2, s1, s3, s2, fmt, limit):
     return F.linear(swiglu_ref(g, u, limit), dequant_weight(w2[e], sel(s2), fmt))
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt: str, limit: float):
     T, d = x.shape
     E = w1.shape[0]
     out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if _capturing(x):
         # no host sync inside a CUDA graph: every expert on every token, weighted by its routing
         w = (weights.float().unsqueeze(-1) * (ids.unsqueeze(-1) == torch.arange(E, device=x.device))).sum(1)
         for e in range(E):
