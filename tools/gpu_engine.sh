@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The engine's GPU checks in one device call (carrying wheelhouse/): engine / model / sampler
-# GPU tests, the rest of the GPU suite but top-k, the main job in bf16 with "auto" and "fp8"
-# caches, and bench_engine. Logs to $OUT.
+# The engine's GPU checks in one device call (carrying wheelhouse/): engine / model / sampler /
+# attention GPU tests, the main job, bench_engine (overlap on and off); FULL=1 adds the rest of
+# the GPU suite but top-k and the main job with "fp8" caches. Logs to $OUT.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -15,9 +15,10 @@ rc=0
 run() { local name=$1 t=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log"
         local r=${PIPESTATUS[0]}; echo "=== $name exit $r"; [ "$r" = 0 ] || rc=1; }
 run engine-tests 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_engine_gpu.py tests/test_model_gpu.py tests/test_sampler.py
-run gpu-suite 240 python3 -m pytest -q -p no:cacheprovider -m "gpu or sanitize" tests -k "not topk and not engine and not model_gpu and not sampler"
+run attention-tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_paged.py
+[ -n "${FULL:-}" ] && run gpu-suite 240 python3 -m pytest -q -p no:cacheprovider -m "gpu or sanitize" tests -k "not topk and not engine and not model_gpu and not sampler and not attention"
 run main-auto 120 python3 -m deepfuse
-run main-fp8 120 python3 -m deepfuse --kv-dtype fp8
-run bench-engine 180 python3 -m microbench.bench_engine --out "$OUT" --batches 1 64 256 --context 512 ${BENCH_ARGS:-}
+[ -n "${FULL:-}" ] && run main-fp8 120 python3 -m deepfuse --kv-dtype fp8
+run bench-engine 240 python3 -m microbench.bench_engine --out "$OUT" --batches 1 64 256 --context 512 ${BENCH_ARGS:-}
 echo "gpu_engine: overall $([ $rc = 0 ] && echo OK || echo FAILURES)"
 exit $rc
