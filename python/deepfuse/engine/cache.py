@@ -88,6 +88,15 @@ class LayerCacheView:
 
 
 @dataclass
+class Snapshot:
+    """A saved prefix state: `tokens` computed tokens; saved window / state slot; page refs."""
+
+    tokens: int
+    slot: int
+    pages: dict
+
+
+@dataclass
 class ReqCache:
     """What one running request holds."""
 
@@ -100,7 +109,8 @@ class ReqCache:
 class CacheManager:
     def __init__(self, cfg, *, model_dtype: torch.dtype, device, kv_dtype: str = "auto", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_total_tokens: int = 65536, max_model_len: int = 65536,
-                 page_size: int = 64, num_draft_tokens: int = 0, num_mtp_layers: int = 0):
+                 page_size: int = 64, num_draft_tokens: int = 0, num_mtp_layers: int = 0,
+                 num_saved_prefixes: int = 0):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"deepfuse: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.cfg, self.device = cfg, torch.device(device)
@@ -132,11 +142,17 @@ class CacheManager:
         self.geometry = CacheGeometry(W, Wr, Wp, S * Wp, tuple(schedules), ps, extra)
         dev = self.device
         L = len(types)
-        self.ring = self._kv_pool(L, S + scratch + 1, Wp, D)
+        # ring pages: request slots, scratch, saved prefix windows, trash
+        self.num_saved = num_saved_prefixes
+        self.saved_base = S + scratch
+        self.ring = self._kv_pool(L, S + scratch + num_saved_prefixes + 1, Wp, D)
+        self._saved_free = list(range(num_saved_prefixes - 1, -1, -1))
+        self.state_rows: dict[int, tuple[int, int]] = {}  # ratio -> (ring rows Rs, live rows R0)
         # compressed pools per ratio: layers of that ratio, pages sized from the token budget
         self.pools: dict[int, PageAllocator] = {}
         self.comp: dict[int, torch.Tensor] = {}
         self.index: Optional[torch.Tensor] = None
+        self.index_ratio = 0
         self.states: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.block_tables: dict[int, torch.Tensor] = {}      # ratio -> [slots, max_pages] on the device
         self.host_block_tables: dict[int, np.ndarray] = {}   # and its host copy
@@ -148,21 +164,28 @@ class CacheManager:
         for r, overlap in schedules:
             n = counts[r]
             P = -(-max_total_tokens // (r * ps)) + S
+            if num_saved_prefixes:  # pages the prefix index holds beyond the running requests'
+                P *= 2
             self.pools[r] = PageAllocator(P)
             self.comp[r] = self._kv_pool(n, P + 1, ps, D)
             maxp = max(1, -(-(max_model_len // r) // ps))
             self.block_tables[r] = torch.zeros(S, maxp, dtype=torch.int64, device=dev)
             self.host_block_tables[r] = np.zeros((S, maxp), dtype=np.int64)
-            R = (2 * r if overlap else r) + extra
+            R0 = 2 * r if overlap else r
+            R = R0 + extra
+            self.state_rows[r] = (R, R0)
             coff = 2 if overlap else 1
-            self.states[(r, "attn")] = self._state(n, S * R + 1, coff * D)
+            rows = S * R + num_saved_prefixes * R0 + 1  # request rings, saved prefix states, trash
+            self.states[(r, "attn")] = self._state(n, rows, coff * D)
             if overlap:
                 self.index = self._index_pool(n, P + 1, ps, Di)
-                self.states[(r, "index")] = self._state(n, S * R + 1, coff * Di)
+                self.index_ratio = r
+                self.states[(r, "index")] = self._state(n, rows, coff * Di)
         self._slots = list(range(S - 1, -1, -1))
         self._pending: list[tuple[int, int, int, int]] = []  # (ratio, slot, column, page)
         self.used_tokens = 0
         self.peak_used_tokens = 0
+        self.evict = None  # callback(pages_needed) -> bool: free index-held pages (the prefix cache)
 
     # ------------------------------------------------------------------ storage
     def _kv_pool(self, L: int, P: int, ps: int, D: int) -> torch.Tensor:
@@ -233,6 +256,8 @@ class CacheManager:
             need = -(-(tokens // r) // ps)
             have = rc.pages[r]
             if need > len(have):
+                while pool.num_free < need - len(have) and self.evict is not None and self.evict():
+                    pass
                 new = pool.alloc(need - len(have))
                 self.host_block_tables[r][rc.slot, len(have):need] = new
                 for k, p in enumerate(new):
@@ -262,6 +287,89 @@ class CacheManager:
             if len(m):
                 idx = torch.from_numpy(m[:, 1:]).to(self.device)
                 bt[idx[:, 0], idx[:, 1]] = idx[:, 2]
+
+    # ------------------------------------------------------------------ prefix snapshots
+    def _ring_rows(self):
+        """(data, scales | None) views of the ring as [L, pages, rows, ...] (fp8: the two parts)."""
+        t, ps = self.ring, self.geometry.ring_page_rows
+        if not self.fp8:
+            return [t]
+        return [F._data_view(t, ps, F.KV_DATA_BYTES), F._scale_view(t, ps, F.KV_DATA_BYTES, F.KV_SCALE_BYTES)]
+
+    def _copy_window(self, src_page: int, src_rows, dst_page: int, dst_rows) -> None:
+        dev = self.device
+        sr, dr = torch.as_tensor(src_rows, device=dev), torch.as_tensor(dst_rows, device=dev)
+        for v in self._ring_rows():
+            v[:, dst_page, dr] = v[:, src_page, sr]
+
+    def _copy_states(self, r: int, src_rows, dst_rows) -> None:
+        dev = self.device
+        sr, dr = torch.as_tensor(src_rows, device=dev), torch.as_tensor(dst_rows, device=dev)
+        for (rr, _), pair in self.states.items():
+            if rr == r:
+                for t in pair:
+                    t[:, dr] = t[:, sr]
+
+    def snapshot(self, rc: ReqCache, n: int) -> Optional["Snapshot"]:
+        """Keep the state of a request that has computed n tokens for later requests with the
+        same first n tokens: references on its pages of compressed rows (entries < n / r),
+        a copy of its window rows (positions n - W .. n - 1) and of its live compressor-state
+        rows. None when no saved slot is free."""
+        if not self._saved_free:
+            return None
+        k = self._saved_free.pop()
+        g, W = self.geometry, self.geometry.window
+        pos = list(range(max(0, n - W), n))
+        self._copy_window(rc.slot, [p % g.ring_rows for p in pos], self.saved_base + k, [p - (n - W) for p in pos])
+        for r, (R, R0) in self.state_rows.items():
+            sp = list(range(max(0, n - R0 + 1), n))
+            base = self.num_slots * R + k * R0
+            self._copy_states(r, [rc.slot * R + p % R for p in sp], [base + p % R0 for p in sp])
+        pages = {}
+        for r, pool in self.pools.items():
+            have = rc.pages[r][:-(-(n // r) // self.page_size)]
+            pool.ref(have)
+            pages[r] = list(have)
+        return Snapshot(n, k, pages)
+
+    def drop_snapshot(self, snap: "Snapshot") -> None:
+        for r, pages in snap.pages.items():
+            self.pools[r].free(pages)
+        self._saved_free.append(snap.slot)
+
+    def restore(self, rc: ReqCache, snap: "Snapshot") -> None:
+        """Start rc (just admitted) from snap: share its complete pages, copy its partial last
+        page (rc will append to it), restore its window and compressor states."""
+        n, g, W, ps = snap.tokens, self.geometry, self.geometry.window, self.page_size
+        for r, pages in snap.pages.items():
+            full = (n // r) // ps
+            shared = pages[:full]
+            self.pools[r].ref(shared)
+            rc.pages[r] = list(shared)
+            if len(pages) > full:  # copy-on-write of the partial page
+                src = pages[full]
+                self.pools[r].ref([src])
+                while self.pools[r].num_free < 1 and self.evict is not None and self.evict():
+                    pass
+                new = self.pools[r].alloc(1)[0]
+                self.comp[r][:, new] = self.comp[r][:, src]
+                if r == self.index_ratio:
+                    self.index[:, new] = self.index[:, src]
+                self.pools[r].free([src])
+                rc.pages[r].append(new)
+            self.host_block_tables[r][rc.slot, :len(rc.pages[r])] = rc.pages[r]
+            self._pending += [(r, rc.slot, c, p) for c, p in enumerate(rc.pages[r])]
+        pos = list(range(max(0, n - W), n))
+        self._copy_window(self.saved_base + snap.slot, [p - (n - W) for p in pos], rc.slot, [p % g.ring_rows for p in pos])
+        for r, (R, R0) in self.state_rows.items():
+            sp = list(range(max(0, n - R0 + 1), n))
+            base = self.num_slots * R + snap.slot * R0
+            self._copy_states(r, [base + p % R0 for p in sp], [rc.slot * R + p % R for p in sp])
+        extra = n - rc.tokens
+        rc.tokens = n
+        self.used_tokens += extra
+        self.peak_used_tokens = max(self.peak_used_tokens, self.used_tokens)
+        rc.page_limit = min(((len(rc.pages[r]) * ps + 1) * r - 1 for r in self.pools), default=1 << 62)
 
     def pages_in_use(self) -> dict[int, int]:
         return {r: p.num_pages - p.num_free for r, p in self.pools.items()}

@@ -11,6 +11,7 @@ import torch
 from .cache import CacheManager, default_total_tokens
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, SamplingParams
+from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .speculative import Emission, SpecDecoder
 
@@ -25,11 +26,15 @@ class EngineConfig:
     page_size: int = 64
     seed: int = 0
     overlap: Optional[bool] = None           # schedule step N+1 while step N runs (None: on for CUDA)
+    enable_prefix_caching: bool = False      # reuse the state of earlier requests with the same prefix
+    prefix_cache_entries: int = 64           # saved prefix states (windows + compressor states) kept
+    prefix_checkpoint: int = 1024            # also save a long prompt's state every this many tokens
     num_speculative_tokens: int = 0          # MTP drafts per step (0: no speculation)
     spec_simulate_acc_len: Optional[float] = None  # benchmark knob: accept this many tokens per step on average
 
     def validate(self) -> "EngineConfig":
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_cache_entries",
+                     "prefix_checkpoint"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"deepfuse: {name} must be an int >= 1, got {v!r}")
@@ -79,8 +84,13 @@ class Engine:
                                   max_num_batched_tokens=config.max_num_batched_tokens, max_total_tokens=total,
                                   max_model_len=self.max_model_len, page_size=config.page_size,
                                   num_draft_tokens=config.num_speculative_tokens,
-                                  num_mtp_layers=1 if config.num_speculative_tokens else 0)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+                                  num_mtp_layers=1 if config.num_speculative_tokens else 0,
+                                  num_saved_prefixes=config.prefix_cache_entries if config.enable_prefix_caching else 0)
+        self.prefix = None
+        if config.enable_prefix_caching:
+            self.prefix = PrefixCache(self.cache, block=64,
+                                      checkpoint=config.prefix_checkpoint)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.prefix)
         self.runner = ModelRunner(model, self.cache)
         self.spec = None
         if config.num_speculative_tokens:
@@ -187,6 +197,32 @@ class Engine:
         logits, streams = r.forward(chunks, ctx, return_streams=True)
         return self.spec.verify(chunks, ctx, logits), streams, ctx
 
+    def _finish(self, req: Request, reason: str, o: RequestOutput, now: float) -> None:
+        if self.prefix is not None and req.cache is not None:
+            n = min(req.num_computed, req.num_tokens)  # overlap: the step after may have computed one more
+            self.prefix.insert(req.cache, req.tokens(0, n), n)
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        self._reqs.pop(req.request_id, None)
+        o.finished, o.finish_reason = True, reason
+        o.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                     "finish_time": now, "num_preemptions": req.num_preemptions}
+
+    def _checkpoints(self, chunks) -> None:
+        """Save prompts' states at the end of their prefill and every prefix_checkpoint tokens
+        of it (the state is valid at exactly those many tokens)."""
+        if self.prefix is None:
+            return
+        ck = self.prefix.checkpoint
+        for c in chunks:
+            req = c.req
+            n, P = req.num_computed, len(req.prompt_token_ids)
+            if req.cache is None or n > P or n <= req.last_checkpoint:
+                continue
+            if n == P or n // ck > req.last_checkpoint // ck:
+                self.prefix.insert(req.cache, req.tokens(0, n), n)
+                req.last_checkpoint = n
+
     def _reserve_drafts(self, req: Request, k: int) -> int:
         """Drafts req may verify next step within the cache budget (they are reserved)."""
         k = max(0, min(k, self.max_model_len - req.num_tokens - 1))
@@ -255,13 +291,9 @@ class Engine:
                 if reason is not None:
                     break
             if reason is not None:
-                req.finish_reason = reason
-                self.scheduler.remove(req)
-                del self._reqs[req.request_id]
-                o.finished, o.finish_reason = True, reason
-                o.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                             "finish_time": now, "num_preemptions": req.num_preemptions}
+                self._finish(req, reason, o, now)
             outs.append(o)
+        self._checkpoints(chunks)
         if self.spec is not None:
             self.spec.propose(chunks, emissions, streams, ctx, self._reserve_drafts)
         self.num_steps += 1
@@ -283,6 +315,7 @@ class Engine:
             logits = r.forward(chunks, ctx)
             for c in chunks:
                 c.req.num_computed = c.start + c.count
+            self._checkpoints(chunks)
             if logits.shape[0]:
                 res = r.sampler(logits, r.sampling_batch(chunks, ctx))
                 tensors = [t for t in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if t is not None]
@@ -349,12 +382,7 @@ class Engine:
             if reason is not None:
                 del req.output_token_ids[idx + 1:]  # tokens of the step launched after this one
                 req.num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
-                req.finish_reason = reason
-                self.scheduler.remove(req)
-                self._reqs.pop(req.request_id, None)
-                o.finished, o.finish_reason = True, reason
-                o.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                             "finish_time": now, "num_preemptions": req.num_preemptions}
+                self._finish(req, reason, o, now)
             outs.append(o)
         return outs
 
@@ -373,6 +401,7 @@ class Engine:
             "cache_bytes": c.nbytes(),
             "kv_dtype": c.kv_dtype,
             **({"spec": self.spec.stats.as_dict()} if self.spec is not None else {}),
+            **({"prefix_cache": self.prefix.stats()} if self.prefix is not None else {}),
         }
 
 

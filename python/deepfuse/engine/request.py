@@ -76,6 +76,8 @@ class Request:
     arrival_time: float = 0.0
     num_preemptions: int = 0
     constraint: Optional[object] = None           # a token constraint (see Engine.add_request)
+    counted: bool = False                         # its prompt counted in the prefix-cache hit rate
+    last_checkpoint: int = 0                      # computed tokens at its last prefix-cache entry
     pending: Optional[tuple] = None               # (step, row) of its last token while still on the device
     final_pending: bool = False                   # that token is its last (max_tokens / max_model_len)
     drafts: list[int] = field(default_factory=list)  # draft tokens proposed for the next verify step

@@ -31,8 +31,9 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, prefix=None):
         self.cache = cache
+        self.prefix = prefix  # PrefixCache or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -118,16 +119,27 @@ class Scheduler:
             req = self.waiting[0]
             if req.final_pending:
                 break  # its last token is being read back: it ends, it does not run again
-            n = min(req.num_tokens, budget, cache.free_tokens - len(self.running))
+            hit = None
+            if self.prefix is not None:
+                known = req.num_tokens - (1 if req.pending is not None else 0)
+                hit = self.prefix.lookup(req.tokens(0, known), req.num_tokens - 1)
+            start = hit.snap.tokens if hit is not None else 0
+            n = min(req.num_tokens - start, budget, cache.free_tokens - len(self.running) - start)
             if n <= 0:
                 break
             self.waiting.popleft()
             req.cache = cache.admit()
             req.status = Status.RUNNING
-            req.num_computed = 0
+            if self.prefix is not None and not req.counted:
+                req.counted = True
+                self.prefix.prompt_tokens += len(req.prompt_token_ids)
+            if hit is not None:
+                self.prefix.restore(req.cache, hit)
+            req.num_computed = start
+            req.last_checkpoint = start
             bisect.insort(self.running, req, key=lambda r: r.arrival)
-            cache.grow(req.cache, n)
-            out.append(ScheduledChunk(req, 0, n))
+            cache.grow(req.cache, start + n)
+            out.append(ScheduledChunk(req, start, n))
             scheduled.add(id(req))
             budget -= n
         cache.flush()

@@ -29,6 +29,12 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the cache state of earlier requests with the same prefix (default: on)")
+    p.add_argument("--prefix-cache-entries", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP drafts per step (0: off)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap scheduling with the GPU (default: on for CUDA)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -46,7 +52,9 @@ def main(argv=None):
                     served_model_name=a.served_model_name, thinking=a.thinking, encoding=a.chat_encoding,
                     max_pending=a.max_pending, kv_dtype=a.kv_dtype, max_num_seqs=a.max_num_seqs,
                     max_num_batched_tokens=a.max_num_batched_tokens, max_total_tokens=a.max_total_tokens,
-                    max_model_len=a.max_model_len, page_size=a.page_size, seed=a.seed)
+                    max_model_len=a.max_model_len, page_size=a.page_size, seed=a.seed,
+                    enable_prefix_caching=a.enable_prefix_caching, prefix_cache_entries=a.prefix_cache_entries,
+                    num_speculative_tokens=a.num_speculative_tokens, overlap=a.overlap)
     threading.Thread(target=st.grammars.compiler, daemon=True).start()  # xgrammar's vocabulary, off the first request
     logging.getLogger("deepfuse.serve").info("serving %s on http://%s:%d (max_model_len %d)", st.model_name, a.host,
                                              a.port, st.max_model_len)
