@@ -71,15 +71,15 @@ def test_multi_turn_conversation(tiny):
     assert_released(cached)
 
 
-def test_concurrent_hits_on_one_entry_and_speculation(tiny):
+def test_concurrent_hits_on_one_entry_with_overlap_and_speculation(tiny):
     base = rand(200, 3)
     warm = [base[:180]]
     prompts = [base[:180] + rand(5 + i, 30 + i) for i in range(6)]
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     ref = plain(tiny, prompts, sp)
-    for k in (0, 2):
+    for k, overlap in ((0, False), (0, True), (2, False)):
         llm = LLM(tiny, max_total_tokens=4000, enable_prefix_caching=True, num_speculative_tokens=k,
-                  max_num_batched_tokens=64)
+                  max_num_batched_tokens=64, overlap=overlap)
         llm.generate(warm, sp)
         got = [o.token_ids for o in llm.generate(prompts, sp)]  # all submitted together
         assert got == ref, k
