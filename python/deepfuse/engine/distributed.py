@@ -228,6 +228,7 @@ def _worker(rank: int, world: int, init_method: str, path: str, device: str, dty
     from deepfuse.models.parallel import ParallelConfig
 
     set_env()
+    _watch_parent()
     if threads:
         torch.set_num_threads(threads)
     dev = rank_device(device, rank)
@@ -238,6 +239,22 @@ def _worker(rank: int, world: int, init_method: str, path: str, device: str, dty
         follow(engine, channel)
     finally:
         dist.destroy_process_group()
+
+
+def _watch_parent(period_s: float = 1.0) -> None:
+    """End this rank when rank 0's process is gone (killed without shutdown()): a follower
+    would otherwise wait in its next broadcast until the group's timeout."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(period_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="deepfuse-parent-watch", daemon=True).start()
 
 
 class RankGroup:

@@ -29,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size: one process per GPU (rank r on cuda:r)")
+    p.add_argument("--expert-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --tp > 1: split the routed experts over the ranks (else split inside each expert)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -46,7 +49,8 @@ def main(argv=None):
                     served_model_name=a.served_model_name, thinking=a.thinking, encoding=a.chat_encoding,
                     max_pending=a.max_pending, kv_dtype=a.kv_dtype, max_num_seqs=a.max_num_seqs,
                     max_num_batched_tokens=a.max_num_batched_tokens, max_total_tokens=a.max_total_tokens,
-                    max_model_len=a.max_model_len, page_size=a.page_size, seed=a.seed)
+                    max_model_len=a.max_model_len, page_size=a.page_size, seed=a.seed,
+                    **({"tensor_parallel_size": a.tp, "expert_parallel": a.expert_parallel} if a.tp != 1 else {}))
     threading.Thread(target=st.grammars.compiler, daemon=True).start()  # xgrammar's vocabulary, off the first request
     logging.getLogger("deepfuse.serve").info("serving %s on http://%s:%d (max_model_len %d)", st.model_name, a.host,
                                              a.port, st.max_model_len)
