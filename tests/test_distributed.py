@@ -79,6 +79,18 @@ def test_tp2_matches_one_process(one_thread, expert_parallel):
     assert_same(ref, tp)
 
 
+def test_tp2_speculative_matches_one_process(one_thread):
+    """MTP drafts (k = 2) over 2 ranks: the same tokens and the same acceptance as one process."""
+    prompts = prompts_for([1, 16, 33, 129, 200], tiny_mod.CONFIG["vocab_size"], seed=2)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts)
+    kw = dict(KW, max_total_tokens=2000, num_speculative_tokens=2)
+    ref = run("tiny", prompts, params, **kw)
+    tp = run("tiny", prompts, params, tensor_parallel_size=2, **kw)
+    assert ref[2]["spec"]["verify_steps"] > 0 and ref[2]["spec"] == tp[2]["spec"]
+    assert tp[3] == [0]
+    assert_same(ref, tp)
+
+
 def test_tp2_quantised_checkpoint(one_thread):
     """FP8 linears + MXFP4 experts (the released instruct checkpoints' formats), lossless
     cache: the same tokens; the FP8 serving cache: close (its rounding may flip a choice)."""
@@ -203,8 +215,6 @@ def test_uneven_vocab_padding_and_checks():
     assert D.backend_for("cpu") == "gloo" and D.backend_for("cuda:1") == "nccl"
     with pytest.raises(ValueError, match="checkpoint directory"):
         LLM(models.tiny.load(), tensor_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="speculative"):
-        LLM("tiny", tensor_parallel_size=2, num_speculative_tokens=1)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM("tiny", tensor_parallel_size=0)
 

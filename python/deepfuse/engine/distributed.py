@@ -12,8 +12,10 @@ and runs the same forward_step, whose collectives (models/parallel.py: all-reduc
 attention and MoE, the vocab-parallel embedding and head) run on the default group:
 NCCL on GPUs (rank r on cuda:r), gloo on the CPU. Rank 0 samples from the gathered logits.
 
-Each rank reads only its part of the checkpoint (models.load(..., parallel=...)).
-Speculative decoding (the MTP drafts) is not distributed yet.
+Speculative decoding: drafting and acceptance stay on rank 0; every MTP step is broadcast
+like a step (its context's host arrays) plus its input streams (on the model group), and
+every rank runs it. Each rank reads only its part of the checkpoint (models.load(...,
+parallel=...)).
 """
 from __future__ import annotations
 
@@ -38,10 +40,12 @@ from .cache import CacheManager, default_total_tokens
 from .context import build_context
 from .engine import Engine, EngineConfig
 from .model_runner import ModelRunner
+from .speculative import SpecDecoder
 
 # the lent multi-GPU machines require NVLink multicast off; set wherever ranks start
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-STOP, STEP = 0, 1
+STOP, STEP, MTP = 0, 1, 2
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_ARRAYS = 8
 
 
@@ -149,12 +153,15 @@ class DistModelRunner(ModelRunner):
 
         cache.flush = logged_flush
 
+    def take_updates(self) -> np.ndarray:
+        upd = np.asarray(self.table_updates, dtype=np.int64).reshape(-1)
+        self.table_updates.clear()
+        return upd
+
     def prepare(self, chunks):
         t0 = time.perf_counter()
         ids, starts, counts, slots, nlog = step_arrays(chunks)
-        upd = np.asarray(self.table_updates, dtype=np.int64).reshape(-1)
-        self.table_updates.clear()
-        self.channel.send(STEP, [ids, starts, counts, slots, nlog, upd])
+        self.channel.send(STEP, [ids, starts, counts, slots, nlog, self.take_updates()])
         c = self.cache
         ctx = build_context(ids, starts, counts, slots, nlog, c.geometry, c.block_tables, self.device,
                             c.host_block_tables)
@@ -162,16 +169,49 @@ class DistModelRunner(ModelRunner):
         return ctx
 
 
+class _MTPBroadcast:
+    """Rank 0's model as its SpecDecoder sees it: every MTP step is first sent to the
+    followers (its context's host arrays over the channel, then its input streams [N, hc, d]
+    broadcast on the model group), then run."""
+
+    def __init__(self, model, runner: DistModelRunner, channel: StepChannel):
+        self._model, self._runner, self._channel = model, runner, channel
+        self.host: Optional[tuple] = None  # the arrays of the context SpecDecoder._ctx built last
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def mtp_forward_step(self, ctx, cache, streams, next_ids, layer: int = 0):
+        N, hc, d = streams.shape
+        meta = [layer, _DTYPES.index(streams.dtype), hc, d]
+        self._channel.send(MTP, [*self.host, self._runner.take_updates(), meta])
+        streams = streams.contiguous()
+        dist.broadcast(streams, 0, group=self._model.parallel.group)
+        return self._model.mtp_forward_step(ctx, cache, streams, next_ids, layer)
+
+
+class DistSpecDecoder(SpecDecoder):
+    """SpecDecoder whose MTP steps run on every rank (drafting and acceptance stay on rank 0)."""
+
+    def __init__(self, model, cache, runner: DistModelRunner, k: int, channel: StepChannel, **kw):
+        super().__init__(model, cache, runner, k, **kw)
+        self.model = _MTPBroadcast(model, runner, channel)
+
+    def _ctx(self, ids, starts, counts, slots, nlog):
+        self.model.host = tuple(np.asarray(x, dtype=np.int64) for x in (ids, starts, counts, slots, nlog))
+        return super()._ctx(ids, starts, counts, slots, nlog)
+
+
 class DistEngine(Engine):
-    """Rank 0's engine: the Engine with a broadcasting runner."""
+    """Rank 0's engine: the Engine with a broadcasting runner (and speculative decoder)."""
 
     def __init__(self, model, config: EngineConfig, channel: StepChannel):
-        if config.num_speculative_tokens:
-            raise NotImplementedError("deepfuse: speculative decoding is not supported with tensor_parallel_size > 1 "
-                                      "yet (the MTP draft steps are not broadcast)")
         super().__init__(model, config)
         self.channel = channel
         self.runner = DistModelRunner(model, self.cache, channel)
+        if self.spec is not None:
+            self.spec = DistSpecDecoder(model, self.cache, self.runner, config.num_speculative_tokens, channel,
+                                        simulate_acc_len=config.spec_simulate_acc_len)
 
 
 @torch.no_grad()
@@ -183,13 +223,19 @@ def follow(engine: Engine, channel: StepChannel) -> int:
         cmd, arrays = channel.recv()
         if cmd == STOP:
             return n
-        if cmd != STEP:
+        if cmd not in (STEP, MTP):
             raise RuntimeError(f"deepfuse: unknown step command {cmd}")
-        ids, starts, counts, slots, nlog, upd = arrays
+        ids, starts, counts, slots, nlog, upd = arrays[:6]
         apply_table_updates(cache, upd)
         ctx = build_context(ids, starts, counts, slots, nlog, cache.geometry, cache.block_tables, cache.device,
                             cache.host_block_tables)
-        model.forward_step(ctx, cache)
+        if cmd == STEP:
+            model.forward_step(ctx, cache)
+        else:  # an MTP step: its input streams come from rank 0
+            layer, dt, hc, d = (int(v) for v in arrays[6])
+            streams = torch.empty(len(ids), hc, d, dtype=_DTYPES[dt], device=cache.device)
+            dist.broadcast(streams, 0, group=model.parallel.group)
+            model.mtp_forward_step(ctx, cache, streams, ctx.input_ids, layer)
         n += 1
 
 
@@ -324,8 +370,6 @@ def launch(model, device, dtype, config: EngineConfig, tensor_parallel_size: int
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = str(models.tiny.path() if model == "tiny" else Path(model))
     check(models.V4Config.from_json(path), ParallelConfig(N, 0, expert_parallel))
-    if config.num_speculative_tokens:
-        raise NotImplementedError("deepfuse: speculative decoding is not supported with tensor_parallel_size > 1 yet")
     set_env()
     init = f"tcp://127.0.0.1:{free_port()}"
     threads = threads or max(1, (os.cpu_count() or 1) // N)
