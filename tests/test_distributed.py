@@ -345,3 +345,25 @@ def test_serve_tp2_matches_one_process():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def test_idle_rank0_keeps_followers(one_thread):
+    """Followers wait on the channel without a timeout: rank 0 idle for longer than the
+    collectives' timeout (a server between requests) loses no rank."""
+    import time
+
+    from deepfuse.engine import EngineConfig
+
+    _, eng, ranks = D.launch("tiny", "cpu", None, EngineConfig(max_total_tokens=512), 2, timeout_s=2)
+    try:
+        outs = []
+        for i in range(2):
+            eng.add_request(f"r{i}", [5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+            while eng.has_unfinished():
+                outs += [o.token_ids for o in eng.step()]
+            time.sleep(4)
+            assert ranks.alive()
+        assert outs[0:3] == outs[3:6]
+    finally:
+        ranks.shutdown()
+    assert [p.returncode for p in ranks.procs] == [0]

@@ -251,16 +251,20 @@ def agree_config(model, config: EngineConfig, group) -> EngineConfig:
 
 
 # ----------------------------------------------------------------------------- processes
-def init_rank(rank: int, world: int, init_method: str, device, timeout_s: float):
+def init_rank(rank: int, world: int, port: int, device, timeout_s: float, join_timeout_s: float = 300.0):
     """Join the process group (the model collectives' default group) -> the StepChannel."""
     set_env()
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
-                            timeout=timeout)
-    return StepChannel(dist.new_group(backend="gloo", timeout=timeout))
+    # the rendezvous (a TCP store on rank 0's host) waits for the ranks to start (imports,
+    # CUDA init) longer than a collective may take
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=join_timeout_s))
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout)
+    # the followers wait on the channel for as long as rank 0 is idle (a server between
+    # requests): no timeout there; a vanished rank 0 ends them through _watch_parent
+    return StepChannel(dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365)))
 
 
 def load_rank(path: str, device, dtype, pc):
@@ -269,7 +273,7 @@ def load_rank(path: str, device, dtype, pc):
     return models.load(path, device=device, dtype=dtype, parallel=pc)
 
 
-def _worker(rank: int, world: int, init_method: str, path: str, device: str, dtype, config: EngineConfig,
+def _worker(rank: int, world: int, port: int, path: str, device: str, dtype, config: EngineConfig,
             expert_parallel: bool, timeout_s: float, threads: Optional[int]) -> None:
     from deepfuse.models.parallel import ParallelConfig
 
@@ -278,7 +282,7 @@ def _worker(rank: int, world: int, init_method: str, path: str, device: str, dty
     if threads:
         torch.set_num_threads(threads)
     dev = rank_device(device, rank)
-    channel = init_rank(rank, world, init_method, dev, timeout_s)
+    channel = init_rank(rank, world, port, dev, timeout_s)
     try:
         model = load_rank(path, dev, dtype, ParallelConfig(world, rank, expert_parallel))
         engine = Engine(model, agree_config(model, config, channel.group))
@@ -371,14 +375,14 @@ def launch(model, device, dtype, config: EngineConfig, tensor_parallel_size: int
     path = str(models.tiny.path() if model == "tiny" else Path(model))
     check(models.V4Config.from_json(path), ParallelConfig(N, 0, expert_parallel))
     set_env()
-    init = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
     threads = threads or max(1, (os.cpu_count() or 1) // N)
-    procs = [_spawn((r, N, init, path, device.type, dtype, config, expert_parallel, timeout_s, threads))
+    procs = [_spawn((r, N, port, path, device.type, dtype, config, expert_parallel, timeout_s, threads))
              for r in range(1, N)]
     group = None
     try:
         dev = rank_device(device, 0)
-        channel = init_rank(0, N, init, dev, timeout_s)
+        channel = init_rank(0, N, port, dev, timeout_s)
         group = RankGroup(procs, channel)
         rank_model = load_rank(path, dev, dtype, ParallelConfig(N, 0, expert_parallel))
         engine = DistEngine(rank_model, agree_config(rank_model, config, channel.group), channel)
