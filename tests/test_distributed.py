@@ -67,16 +67,19 @@ def assert_same(a, b, atol=1e-4):
     assert worst <= atol
 
 
-@pytest.mark.parametrize("expert_parallel", [True, False], ids=["experts-split", "experts-tp"])
-def test_tp2_matches_one_process(one_thread, expert_parallel):
+def test_tp2_matches_one_process(one_thread):
+    """Experts split over the ranks, then split inside each expert: the same tokens, steps
+    and preemptions as one process, logits within 1e-4 (fp32)."""
     prompts = prompts_for(LENGTHS, tiny_mod.CONFIG["vocab_size"])
     params = params_for(len(prompts))
     ref = run("tiny", prompts, params, **KW)
-    tp = run("tiny", prompts, params, tensor_parallel_size=2, expert_parallel=expert_parallel, **KW)
-    assert ref[2]["num_preemptions"] > 0 and tp[2]["num_preemptions"] == ref[2]["num_preemptions"]
-    assert tp[3] == [0]  # the follower left cleanly
-    assert all(os.environ.get(k) == v for k, v in D.ENV.items())
-    assert_same(ref, tp)
+    assert ref[2]["num_preemptions"] > 0
+    for expert_parallel in (True, False):
+        tp = run("tiny", prompts, params, tensor_parallel_size=2, expert_parallel=expert_parallel, **KW)
+        assert tp[2]["num_preemptions"] == ref[2]["num_preemptions"]
+        assert tp[3] == [0]  # the follower left cleanly
+        assert all(os.environ.get(k) == v for k, v in D.ENV.items())
+        assert_same(ref, tp)
 
 
 def test_tp2_speculative_matches_one_process(one_thread):
@@ -95,7 +98,7 @@ def test_tp2_quantised_checkpoint(one_thread):
     """FP8 linears + MXFP4 experts (the released instruct checkpoints' formats), lossless
     cache: the same tokens; the FP8 serving cache: close (its rounding may flip a choice)."""
     path = str(tiny_mod.path(quant="mxfp4"))
-    prompts = prompts_for([3, 17, 64, 130, 200], tiny_mod.CONFIG["vocab_size"], seed=3)
+    prompts = prompts_for([3, 17, 130, 200], tiny_mod.CONFIG["vocab_size"], seed=3)
     params = params_for(len(prompts))
     kw = dict(max_num_seqs=4, max_num_batched_tokens=48, max_total_tokens=2000)
     assert_same(run(path, prompts, params, **kw), run(path, prompts, params, tensor_parallel_size=2, **kw))
@@ -354,14 +357,14 @@ def test_idle_rank0_keeps_followers(one_thread):
 
     from deepfuse.engine import EngineConfig
 
-    _, eng, ranks = D.launch("tiny", "cpu", None, EngineConfig(max_total_tokens=512), 2, timeout_s=2)
+    _, eng, ranks = D.launch("tiny", "cpu", None, EngineConfig(max_total_tokens=512), 2, timeout_s=1)
     try:
         outs = []
         for i in range(2):
             eng.add_request(f"r{i}", [5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
             while eng.has_unfinished():
                 outs += [o.token_ids for o in eng.step()]
-            time.sleep(4)
+            time.sleep(2.5)
             assert ranks.alive()
         assert outs[0:3] == outs[3:6]
     finally:
