@@ -244,19 +244,21 @@ V4_WIDTH = dict(tiny_mod.CONFIG, hidden_size=4096, num_hidden_layers=3, num_atte
 @two_gpus
 def test_v4_width_model_experts_over_2_gpus(tmp_path):
     """A V4-Flash-width random model of 3 layers (FP8 linears, MXFP4 experts), experts split
-    over 2 GPUs, bf16, against one GPU: greedy agreement and logits close."""
+    over 2 GPUs, bf16, against one GPU: the first step's logits close (same inputs on both
+    sides; later steps follow each side's own tokens) and most first tokens equal."""
     path = str(tiny_mod.write(tmp_path / "v4w", V4_WIDTH, quant="mxfp4"))
     prompts = prompts_for([7, 150, 300, 513], V4_WIDTH["vocab_size"], seed=5)
     params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(prompts)
-    kw = dict(device="cuda", max_num_seqs=4, max_num_batched_tokens=256, max_total_tokens=8192)
+    kw = dict(device="cuda", max_num_seqs=4, max_num_batched_tokens=1024, max_total_tokens=8192)
     a = run(path, prompts, params, **kw)
     b = run(path, prompts, params, tensor_parallel_size=2, **kw)
-    agree = sum(sum(u == v for u, v in zip(x.token_ids, y.token_ids)) for x, y in zip(a[0], b[0]))
-    assert agree >= 0.9 * 16 * len(prompts)
-    la = torch.cat([lg for _, lg in a[1]])
-    lb = torch.cat([lg for _, lg in b[1]])
-    rel = ((la - lb).norm(dim=-1) / la.norm(dim=-1)).median().item()
-    assert rel < 2e-2, rel
+    (ia, la), (ib, lb) = a[1][0], b[1][0]  # one step prefills every prompt: a logits row each
+    assert ia == ib and la.shape[0] == len(prompts)
+    rel = ((la - lb).norm(dim=-1) / la.norm(dim=-1)).max().item()
+    print(f"first step: max rel logits diff {rel:.2e}")
+    assert rel < 5e-2, rel
+    assert sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a[0], b[0])) >= len(prompts) - 1
+    assert b[3] == [0]
 
 
 @pytest.mark.gpu
