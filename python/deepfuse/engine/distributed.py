@@ -293,7 +293,7 @@ def _worker(rank: int, world: int, port: int, path: str, device: str, dtype, con
 
 def _watch_parent(period_s: float = 1.0) -> None:
     """End this rank when rank 0's process is gone (killed without shutdown()): a follower
-    would otherwise wait in its next broadcast until the group's timeout."""
+    would otherwise wait on the channel (no timeout) for ever."""
     import threading
 
     parent = os.getppid()
