@@ -22,6 +22,30 @@ namespace {
 template <typename T = void>
 T* P(ptr_t p) { return reinterpret_cast<T*>(p); }
 
+// Every launcher runs on the device its tensors live on: `device` (>= 0) is made current for
+// the call and the caller's current device restored after it (-1: the current device, as
+// before). deepfuse._ext.ext(device) passes it, so two GPUs in one process work too.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (device < 0) return;
+    deepfuse::check_cuda(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (prev_ == device) {
+      prev_ = -1;
+      return;
+    }
+    deepfuse::check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);  // no throw from a destructor
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
 std::vector<std::string> built_archs() {
   std::vector<std::string> out;
   std::string s = DEEPFUSE_ARCHS_STR;
@@ -40,46 +64,57 @@ std::vector<std::string> built_archs() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "deepfuse CUDA launchers (raw pointers + stream; validation lives in deepfuse.ops)";
   m.def("built_archs", &built_archs, "CUDA archs this module carries machine code for");
-  m.def("num_sms", &deepfuse::num_sms);
+  m.def(
+      "num_sms",
+      [](int device) {
+        DeviceGuard guard(device);
+        return deepfuse::num_sms();
+      },
+      py::arg("device") = -1);
 
   m.def(
       "fp8_group_cast",
       [](ptr_t x, bool x_is_bf16, ptr_t q, ptr_t scale, int kind, int64_t M, int64_t K,
-         int64_t x_ld, int group, int64_t scale_ld, ptr_t stream) {
+         int64_t x_ld, int group, int64_t scale_ld, ptr_t stream, int device) {
+        DeviceGuard guard(device);
         deepfuse::fp8_group_cast(P(x), x_is_bf16, P(q), P(scale),
                                  static_cast<deepfuse::ScaleKind>(kind), M, K, x_ld, group,
                                  scale_ld, deepfuse::as_stream(stream));
       },
       py::arg("x"), py::arg("x_is_bf16"), py::arg("q"), py::arg("scale"), py::arg("kind"),
       py::arg("M"), py::arg("K"), py::arg("x_ld"), py::arg("group"), py::arg("scale_ld"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("device") = -1);
   m.def(
       "fp8_block_cast",
       [](ptr_t w, bool w_is_bf16, ptr_t q, ptr_t scale, bool ue8m0, int64_t N, int64_t K,
-         ptr_t stream) {
+         ptr_t stream, int device) {
+        DeviceGuard guard(device);
         deepfuse::fp8_block_cast(P(w), w_is_bf16, P(q), P(scale), ue8m0, N, K,
                                  deepfuse::as_stream(stream));
       },
       py::arg("w"), py::arg("w_is_bf16"), py::arg("q"), py::arg("scale"), py::arg("ue8m0"),
-      py::arg("N"), py::arg("K"), py::arg("stream"),
+      py::arg("N"), py::arg("K"), py::arg("stream"), py::arg("device") = -1,
       "weight block cast (TileLang kernel; raises in builds without TileLang kernels)");
   m.def(
       "topk",
       [](ptr_t x, int dtype, int64_t B, int64_t N, int64_t ld, int k, ptr_t lengths,
-         ptr_t values, ptr_t indices, bool idx64, bool sorted, ptr_t stream) {
+         ptr_t values, ptr_t indices, bool idx64, bool sorted, ptr_t stream, int device) {
+        DeviceGuard guard(device);
         deepfuse::topk(P(x), static_cast<deepfuse::TopkDtype>(dtype), B, N, ld, k,
                        P<const int32_t>(lengths), P(values), P(indices), idx64, sorted,
                        deepfuse::as_stream(stream));
       },
       py::arg("x"), py::arg("dtype"), py::arg("B"), py::arg("N"), py::arg("ld"), py::arg("k"),
       py::arg("lengths"), py::arg("values"), py::arg("indices"), py::arg("idx64"),
-      py::arg("sorted"), py::arg("stream"));
+      py::arg("sorted"), py::arg("stream"), py::arg("device") = -1);
   m.def(
       "topk_plan",
-      [](int dtype, int64_t B, int64_t N, int k, bool sorted) {
+      [](int dtype, int64_t B, int64_t N, int k, bool sorted, int device) {
+        DeviceGuard guard(device);
         const auto p = deepfuse::topk_plan(static_cast<deepfuse::TopkDtype>(dtype), B, N, k, sorted);
         return py::make_tuple(p.ctas_per_row, p.threads, p.smem_bytes, p.kernel);
       },
+      py::arg("dtype"), py::arg("B"), py::arg("N"), py::arg("k"), py::arg("sorted"), py::arg("device") = -1,
       "topk launch plan: (CTAs per row, threads per CTA, smem bytes per CTA, kernel: 0 general, 1 short rows)");
   m.def("topk_set_margin", &deepfuse::topk_set_margin, py::arg("z"),
         "testing hook: the general top-k kernel's threshold margin z for later calls (NaN: the policy)");
@@ -90,7 +125,8 @@ PYBIND11_MODULE(_C, m) {
       [](ptr_t kv, int64_t kv_layer_ld, int64_t kv_row_ld, int64_t L, int64_t T, ptr_t cache,
          int64_t cache_layer_ld, int64_t num_pages, int64_t page_bytes, int page_size, bool fp8,
          ptr_t index, bool index64, int64_t index_layer_ld, ptr_t positions, bool positions64,
-         int window, ptr_t stream) {
+         int window, ptr_t stream, int device) {
+        DeviceGuard guard(device);
         deepfuse::kv_store(P(kv), kv_layer_ld, kv_row_ld, L, T, P(cache), cache_layer_ld,
                            num_pages, page_bytes, page_size, fp8, P(index), index64,
                            index_layer_ld, P(positions), positions64, window,
@@ -100,12 +136,13 @@ PYBIND11_MODULE(_C, m) {
       py::arg("cache"), py::arg("cache_layer_ld"), py::arg("num_pages"), py::arg("page_bytes"),
       py::arg("page_size"), py::arg("fp8"), py::arg("index"), py::arg("index64"),
       py::arg("index_layer_ld"), py::arg("positions"), py::arg("positions64"), py::arg("window"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("device") = -1);
   m.def(
       "indexer_key_store",
       [](ptr_t k, int64_t k_layer_ld, int64_t k_row_ld, int64_t L, int64_t T, ptr_t cache,
          int64_t cache_layer_ld, int64_t num_pages, int64_t page_bytes, int page_size, int kind,
-         ptr_t slots, bool slots64, int64_t slots_layer_ld, ptr_t stream) {
+         ptr_t slots, bool slots64, int64_t slots_layer_ld, ptr_t stream, int device) {
+        DeviceGuard guard(device);
         deepfuse::indexer_key_store(P(k), k_layer_ld, k_row_ld, L, T, P(cache), cache_layer_ld,
                                     num_pages, page_bytes, page_size, kind, P(slots), slots64,
                                     slots_layer_ld, deepfuse::as_stream(stream));
@@ -113,11 +150,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("k"), py::arg("k_layer_ld"), py::arg("k_row_ld"), py::arg("L"), py::arg("T"),
       py::arg("cache"), py::arg("cache_layer_ld"), py::arg("num_pages"), py::arg("page_bytes"),
       py::arg("page_size"), py::arg("kind"), py::arg("slots"), py::arg("slots64"),
-      py::arg("slots_layer_ld"), py::arg("stream"));
+      py::arg("slots_layer_ld"), py::arg("stream"), py::arg("device") = -1);
   m.def(
       "kv_window_copy",
       [](py::tuple src, py::tuple dst, ptr_t lengths, bool lengths64, int64_t L, int64_t B,
-         int window, int rows, int kind, bool fill_missing, ptr_t stream) {
+         int window, int rows, int kind, bool fill_missing, ptr_t stream, int device) {
+        DeviceGuard guard(device);
         // side = (base, layer_ld, num_pages, page_bytes, page_size, mode, index, index64,
         //         index_ld, index_cols)
         auto side = [](const py::tuple& t) {
@@ -133,14 +171,15 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("src"), py::arg("dst"), py::arg("lengths"), py::arg("lengths64"), py::arg("L"),
       py::arg("B"), py::arg("window"), py::arg("rows"), py::arg("kind"), py::arg("fill_missing"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("device") = -1);
 
   // ---- sparse attention over paged KV (semantics: deepfuse/ops/attention.py)
   m.def(
       "sparse_attention_paged",
       [](ptr_t q, int64_t q_ld_t, int64_t q_ld_h, int T, int H, py::tuple s0, py::tuple s1, ptr_t sink,
          float scale_log2, ptr_t cos, ptr_t sin, int rope_pairs, bool mxfp8, ptr_t out, ptr_t out_scale,
-         ptr_t lse, int G, int splits, ptr_t ws_o, ptr_t ws_ml, ptr_t stream) {
+         ptr_t lse, int G, int splits, ptr_t ws_o, ptr_t ws_ml, ptr_t stream, int device) {
+        DeviceGuard guard(device);
         // source = (base, num_slots, page_bytes, page_size, fp8, idx, idx64, K, len, len64)
         auto src = [](const py::tuple& t) {
           if (t.size() != 10) throw std::invalid_argument("deepfuse: sparse_attention_paged: source needs 10 fields");
@@ -183,13 +222,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("q"), py::arg("q_ld_t"), py::arg("q_ld_h"), py::arg("T"), py::arg("H"), py::arg("src0"),
       py::arg("src1"), py::arg("sink"), py::arg("scale_log2"), py::arg("cos"), py::arg("sin"),
       py::arg("rope_pairs"), py::arg("mxfp8"), py::arg("out"), py::arg("out_scale"), py::arg("lse"),
-      py::arg("G"), py::arg("splits"), py::arg("ws_o"), py::arg("ws_ml"), py::arg("stream"));
+      py::arg("G"), py::arg("splits"), py::arg("ws_o"), py::arg("ws_ml"), py::arg("stream"), py::arg("device") = -1);
   m.def(
       "sparse_attention_plan",
-      [](int T, int H, int K_total, int G) {
+      [](int T, int H, int K_total, int G, int device) {
+        DeviceGuard guard(device);
         const auto p = deepfuse::sparse_attention_plan(T, H, K_total, G);
         return py::make_tuple(p.G, p.splits, p.ctas, p.blocks);
       },
-      py::arg("T"), py::arg("H"), py::arg("K_total"), py::arg("G"),
+      py::arg("T"), py::arg("H"), py::arg("K_total"), py::arg("G"), py::arg("device") = -1,
       "sparse attention launch plan: (G, splits, CTAs, key blocks of 32)");
 }

@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.cfg, self.layer_type = cfg, layer_type
         d, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         self.n_heads, self.head_dim, self.window = H, D, cfg.sliding_window
+        self.o_groups = cfg.o_groups  # this rank's heads and output groups (models/parallel.py shards both)
         self.ratio = cfg.compress_ratio(layer_type)
         self.wq_a = Linear(d, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -68,7 +69,7 @@ class Attention(nn.Module):
         return qr, q, kv
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
-        G, H, D = self.cfg.o_groups, self.n_heads, self.head_dim
+        G, H, D = self.o_groups, self.n_heads, self.head_dim
         o = ops.grouped_linear(o.reshape(*o.shape[:-2], G, H * D // G), self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt)
         return self.wo_b(o.flatten(-2))
 

@@ -93,10 +93,38 @@ class _Reader:
     def __contains__(self, key):
         return key in self.where
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, part: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+        """The tensor, or with part = (dim, start, stop) only that slice of it (read from the
+        file alone; packed FP4 tensors are read whole and sliced, safetensors cannot slice them)."""
         h, k, _ = self.where[key]
         self.used.add(key)
-        return h.get_tensor(k)
+        if part is None:
+            return h.get_tensor(k)
+        dim, a, b = part
+        sl = h.get_slice(k)
+        if sl.get_dtype() in ("F4", "F6_E2M3", "F6_E3M2"):
+            return h.get_tensor(k).narrow(dim, a, b - a).contiguous()
+        idx = [slice(None)] * len(sl.get_shape())
+        idx[dim] = slice(a, b)
+        return sl[tuple(idx)]
+
+    def shape(self, key: str) -> list[int]:
+        """The tensor's shape as torch sees it (packed FP4: [N, K / 2])."""
+        h, k, _ = self.where[key]
+        sl = h.get_slice(k)
+        shape = list(sl.get_shape())
+        if sl.get_dtype() == "F4":
+            shape[-1] //= 2
+        return shape
+
+    def dtype_code(self, key: str) -> str:
+        h, k, _ = self.where[key]
+        return h.get_slice(k).get_dtype()
+
+    def skip(self, key: str) -> None:
+        """Another rank's tensor: not read here, not reported unused."""
+        if key in self.where:
+            self.used.add(key)
 
     def origin(self, key: str) -> str:
         _, k, f = self.where[key]
@@ -134,7 +162,9 @@ class _Loader:
     def shape_error(self, key, want, got, what="shape"):
         return CheckpointError(f"deepfuse: tensor {key!r} ({self.r.origin(key)}) has {what} {got}; expected {want}")
 
-    def slot(self, key: str, shape, kind: str) -> Optional[torch.Tensor]:
+    def slot(self, key: str, shape, kind: str, shard=None) -> Optional[torch.Tensor]:
+        if shard is not None:
+            return self._sharded_slot(key, shape, kind, shard)
         t = self.fetch(key)
         if t is None:
             return None
@@ -148,8 +178,27 @@ class _Loader:
             raise self.shape_error(key, "bf16/fp16/fp32", t.dtype, "dtype")
         return t.to(self.device).to(torch.float32 if kind == "fp32" else self.dtype)
 
-    def weight(self, prefix: str, N: int, K: int, dense_dtype=None):
-        """-> (weight, scale, fmt) of the linear `prefix` with logical shape [N, K]."""
+    def _sharded_slot(self, key: str, shape, kind: str, shard) -> Optional[torch.Tensor]:
+        dim, a, b, size = shard
+        if key not in self.r:
+            self.missing.append(key)
+            return None
+        full = self.r.shape(key)
+        if len(full) != len(shape) or any(f != s for i, (f, s) in enumerate(zip(full, shape)) if i != dim) \
+                or full[dim] < b:
+            raise self.shape_error(key, f"{list(shape)} with {b}+ along dim {dim} (sharded)", full)
+        t = _pad(self.r.get(key, (dim, a, b)), dim, size)
+        self.tick()
+        if kind == "index" or t.dtype not in _FLOATS:
+            raise self.shape_error(key, "bf16/fp16/fp32 (a sharded slot)", t.dtype, "dtype")
+        return t.to(self.device).to(torch.float32 if kind == "fp32" else self.dtype)
+
+    def weight(self, prefix: str, N: int, K: int, dense_dtype=None, shard=None):
+        """-> (weight, scale, fmt) of the linear `prefix` with logical shape [N, K] (with
+        shard = (dim, start, stop, size): that slice of the checkpoint's tensor, see
+        models/parallel.py)."""
+        if shard is not None:
+            return self._sharded_weight(prefix, N, K, dense_dtype, shard)
         wk, sk = prefix + ".weight", prefix + ".scale"
         w = self.fetch(wk)
         if w is None:
@@ -183,13 +232,75 @@ class _Loader:
             return dequant_weight(w, s, fmt, dense_dtype), None, "dense"
         return w, s, fmt
 
+    def _sharded_weight(self, prefix: str, N: int, K: int, dense_dtype, shard):
+        """Rows (dim 0) or columns (dim 1) [a, b) of the checkpoint weight, zero-padded to
+        `size`. Quantised weights stay quantised when the slice keeps whole scale blocks
+        (fp8: 128 x 128, mxfp4: 32 columns) or lies inside one fp8 block; otherwise the
+        touched blocks are dequantised and the slice is kept dense."""
+        from deepfuse.ops.linear import FP8_BLOCK, MXFP4_GROUP, dequant_weight
+
+        dim, a, b, size = shard
+        wk, sk = prefix + ".weight", prefix + ".scale"
+        if wk not in self.r:
+            self.missing.append(wk)
+            return None
+        dense_dtype = dense_dtype or self.dtype
+        code = self.r.dtype_code(wk)
+        full = self.r.shape(wk)
+        if code in ("F4", "I8", "U8"):
+            fmt, u, p = "mxfp4", (1 if dim == 0 else MXFP4_GROUP), (1 if dim == 0 else 2)
+            n_g = full[dim] * p
+            other = (N, K // 2)[1 - dim] if dim == 0 else N
+        else:
+            fmt, u, p = ("fp8" if code == "F8_E4M3" else "dense"), FP8_BLOCK, 1
+            n_g = full[dim]
+            other = (N, K)[1 - dim]
+        if len(full) != 2 or full[1 - dim] != other or n_g < b:
+            raise self.shape_error(wk, f"[{N if dim else '..'}, {K if not dim else '..'}] with {b}+ along "
+                                       f"dim {dim} (sharded)", full)
+        if fmt == "dense":
+            if code not in ("BF16", "F16", "F32"):
+                raise self.shape_error(wk, "bf16/fp16/fp32, float8_e4m3fn or packed e2m1", code, "dtype")
+            w = _pad(self.r.get(wk, (dim, a, b)), dim, size)
+            self.tick()
+            return w.to(self.device).to(dense_dtype), None, "dense"
+        if sk not in self.r:
+            raise CheckpointError(f"deepfuse: {fmt} weight {wk!r} ({self.r.origin(wk)}) has no scale tensor {sk!r}")
+        u0, u1 = a // u, -(-b // u)
+        whole = a % u == 0 and (b % u == 0 or b == n_g)
+        if size == b - a and (whole or (fmt == "fp8" and u1 - u0 == 1)):
+            w = self.r.get(wk, (dim, a // p, b // p))
+            s = self.r.get(sk, (dim, u0, u1))
+            self.tick()
+            w = w.to(self.device)
+            w = w.view(torch.uint8) if fmt == "mxfp4" else w
+            s = _scale(s.to(self.device))
+            if self.dequantize:
+                return dequant_weight(w, s, fmt, dense_dtype), None, "dense"
+            return w, s, fmt
+        # the slice cuts a scale block (or is padded): dequantise the blocks it touches
+        lo, hi = u0 * u, min(u1 * u, n_g)
+        w = self.r.get(wk, (dim, lo // p, hi // p))
+        s = _scale(self.r.get(sk, (dim, u0, u1)))
+        self.tick()
+        w = w.view(torch.uint8) if fmt == "mxfp4" else w
+        d = dequant_weight(w, s, fmt, torch.float32).narrow(dim, a - lo, b - a)
+        return _pad(d, dim, size).to(self.device).to(dense_dtype), None, "dense"
+
     def experts(self, prefix: str, mod: Experts):
         ws, ss, fmts = {}, {}, set()
+        off = getattr(mod, "expert_offset", 0)
+        shards = getattr(mod, "shards", {})
+        for e in range(getattr(mod, "total_experts", mod.num_experts)):
+            if not off <= e < off + mod.num_experts:  # another rank's expert
+                for name in ("w1", "w3", "w2"):
+                    self.r.skip(f"{prefix}.{e}.{name}.weight")
+                    self.r.skip(f"{prefix}.{e}.{name}.scale")
         for name in ("w1", "w3", "w2"):
             N, K = mod.proj_shape(name)
             parts, scales = [], []
-            for e in range(mod.num_experts):
-                got = self.weight(f"{prefix}.{e}.{name}", N, K)
+            for e in range(off, off + mod.num_experts):
+                got = self.weight(f"{prefix}.{e}.{name}", N, K, shard=shards.get(name))
                 if got is None:
                     continue
                 w, s, fmt = got
@@ -201,6 +312,16 @@ class _Loader:
             ws[name] = torch.stack(parts)
             if parts and scales[0] is not None:
                 ss[name] = torch.stack(scales)
+        if shards and len(fmts) > 1 and "dense" in fmts:
+            # a sharded projection had to be dequantised (its slice cuts scale blocks): all dense
+            from deepfuse.ops.linear import dequant_weight
+
+            for name, w in ws.items():
+                s = ss.pop(name, None)
+                if s is not None:
+                    fmt = (fmts - {"dense"}).pop()
+                    ws[name] = torch.stack([dequant_weight(w[e], s[e], fmt, self.dtype) for e in range(w.shape[0])])
+            fmts = {"dense"}
         if len(fmts) > 1:
             raise CheckpointError(f"deepfuse: the routed experts of {prefix} mix weight formats {sorted(fmts)}")
         if len(ws) == 3:
@@ -219,12 +340,14 @@ def count_tensors(model: nn.Module) -> int:
 
 
 def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize: bool = False,
-         progress: Optional[bool] = None, config: Optional[V4Config] = None) -> V4Model:
+         progress: Optional[bool] = None, config: Optional[V4Config] = None, parallel=None) -> V4Model:
     """Build the V4 graph from a checkpoint directory (config.json + *.safetensors).
 
     device / dtype: where the weights live and the activation dtype (bf16 or fp32; norms,
     mHC, sinks and router stay fp32). FP8 / MXFP4 weights stay quantised unless
-    dequantize=True. progress: tqdm bar (default: on for checkpoints over 1 GB)."""
+    dequantize=True. progress: tqdm bar (default: on for checkpoints over 1 GB).
+    parallel: a models.parallel.ParallelConfig: build and read only rank parallel.rank's
+    part of the model (its heads, experts and vocab rows; see models/parallel.py)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"deepfuse: checkpoint directory {path} does not exist")
@@ -239,6 +362,10 @@ def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize:
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0, mtp_layer_types=[])
     model = V4Model(cfg)
     model.dtype = dtype
+    if parallel is not None and parallel.world_size > 1:
+        from .parallel import shard_modules
+
+        shard_modules(model, parallel)
     if progress is None:
         progress = reader.nbytes() > (1 << 30)
     bar = None
@@ -250,12 +377,13 @@ def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize:
     try:
         for prefix, mod in model.named_modules():
             dot = prefix + "." if prefix else ""
+            shards = getattr(mod, "_slot_shards", {})
             for name, kind in slots(mod).items():
-                t = ld.slot(dot + name, tuple(getattr(mod, name).shape), kind)
+                t = ld.slot(dot + name, tuple(getattr(mod, name).shape), kind, shards.get(name))
                 if t is not None:
                     setattr(mod, name, t)
             if isinstance(mod, Linear):
-                got = ld.weight(prefix, mod.out_features, mod.in_features)
+                got = ld.weight(prefix, mod.out_features, mod.in_features, shard=getattr(mod, "shard", None))
                 if got is not None:
                     mod.set_weight(*got)
             elif isinstance(mod, Experts):
@@ -275,6 +403,14 @@ def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize:
                       f"{', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}", stacklevel=2)
     _check_tid2eid(model)
     return model.eval()
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if t.shape[dim] == size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def _check_tid2eid(model: V4Model) -> None:

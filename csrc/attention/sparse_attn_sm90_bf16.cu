@@ -12,13 +12,15 @@ namespace {
 
 template <int G>
 void launch_main(const AttnParams& p, int C, cudaStream_t stream) {
-  static bool attr_done[9] = {false};  // per cluster size (smem differs)
+  static bool attr_done[64][9] = {};  // per device (function attributes are) and cluster size
   const int smem = attn::smem_bytes(C);
-  if (!attr_done[C]) {
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64 || !attr_done[dev][C]) {
     check_cuda(cudaFuncSetAttribute(attn::sparse_attn_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     attn::smem_bytes(1)),
                "sparse_attention: smem attribute");
-    attr_done[C] = true;
+    if (dev < 64) attr_done[dev][C] = true;
   }
   const int64_t groups = (static_cast<int64_t>(p.T) + G - 1) / G;
   cudaLaunchConfig_t cfg = {};

@@ -37,16 +37,43 @@ def _check_device(index: int) -> None:
         )
 
 
+# the _C functions that touch a device: they take device= (the device made current for the call)
+_ON_DEVICE = ("num_sms", "fp8_group_cast", "fp8_block_cast", "topk", "topk_plan", "kv_store", "indexer_key_store",
+              "kv_window_copy", "sparse_attention_paged", "sparse_attention_plan")
+
+
+class _OnDevice:
+    """_C with device=index bound into every launcher: each kernel launches on the device its
+    tensors live on, whatever the current device is (two GPUs in one process)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __getattr__(self, name: str):
+        fn = getattr(_C, name)
+        if name in _ON_DEVICE:
+            fn = functools.partial(fn, device=self.index)
+        setattr(self, name, fn)  # cached: later lookups are plain attribute reads
+        return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _on_device(index: int) -> _OnDevice:
+    return _OnDevice(index)
+
+
 def ext(device: torch.device):
-    """The extension module, after checking that it can run on `device`."""
+    """The extension's launchers bound to `device` (its index, or the current device), after
+    checking that this install can run on it."""
     if _C is None:
         raise RuntimeError(
             "deepfuse: the CUDA kernels are not part of this install "
             f"({_IMPORT_ERROR}). Install a wheel built for your GPU, or build with "
             "DEEPFUSE_BUILD_CUDA=ON; CPU tensors use the reference implementations."
         )
-    _check_device(device.index if device.index is not None else torch.cuda.current_device())
-    return _C
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _check_device(index)
+    return _on_device(index)
 
 
 def stream(device: torch.device) -> int:

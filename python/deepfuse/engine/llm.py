@@ -32,13 +32,36 @@ def _load(model, device, dtype):
 class LLM:
     def __init__(self, model, device=None, dtype: Optional[torch.dtype] = None, kv_dtype: str = "auto",
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_total_tokens: Optional[int] = None,
-                 max_model_len: Optional[int] = None, num_speculative_tokens: int = 0, **engine_kw):
+                 max_model_len: Optional[int] = None, num_speculative_tokens: int = 0, tensor_parallel_size: int = 1,
+                 expert_parallel: bool = True, **engine_kw):
+        """tensor_parallel_size N > 1: one process per rank (GPU r on CUDA, gloo on the CPU),
+        attention split over heads, the routed experts over ranks (expert_parallel=True) or
+        inside each expert (False); model must then be a checkpoint directory or "tiny", and
+        self.model is rank 0's part (engine/distributed.py). Call shutdown() at the end."""
         cfg = EngineConfig(kv_dtype=kv_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_total_tokens=max_total_tokens, max_model_len=max_model_len,
                            num_speculative_tokens=num_speculative_tokens, **engine_kw).validate()
-        self.model = _load(model, device, dtype)
-        self.engine = Engine(self.model, cfg)
+        self._ranks = None
+        if tensor_parallel_size != 1:
+            from .distributed import launch
+
+            self.model, self.engine, self._ranks = launch(model, device, dtype, cfg, tensor_parallel_size,
+                                                          expert_parallel)
+        else:
+            self.model = _load(model, device, dtype)
+            self.engine = Engine(self.model, cfg)
         self._next = 0
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes (tensor_parallel_size > 1; otherwise nothing)."""
+        if self._ranks is not None:
+            self._ranks.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:

@@ -35,6 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP drafts per step (0: off)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling with the GPU (default: on for CUDA)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size: one process per GPU (rank r on cuda:r)")
+    p.add_argument("--expert-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --tp > 1: split the routed experts over the ranks (else split inside each expert)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -54,7 +57,8 @@ def main(argv=None):
                     max_num_batched_tokens=a.max_num_batched_tokens, max_total_tokens=a.max_total_tokens,
                     max_model_len=a.max_model_len, page_size=a.page_size, seed=a.seed,
                     enable_prefix_caching=a.enable_prefix_caching, prefix_cache_entries=a.prefix_cache_entries,
-                    num_speculative_tokens=a.num_speculative_tokens, overlap=a.overlap)
+                    num_speculative_tokens=a.num_speculative_tokens, overlap=a.overlap,
+                    **({"tensor_parallel_size": a.tp, "expert_parallel": a.expert_parallel} if a.tp != 1 else {}))
     threading.Thread(target=st.grammars.compiler, daemon=True).start()  # xgrammar's vocabulary, off the first request
     logging.getLogger("deepfuse.serve").info("serving %s on http://%s:%d (max_model_len %d)", st.model_name, a.host,
                                              a.port, st.max_model_len)
