@@ -1,0 +1,198 @@
+"""The V4 decode step against its memory floor (issue 16's step benchmark).
+
+    python -m microbench.bench_step [--layers swa,csa,hca,csa] [--experts fp8|mxfp4]
+                                    [--batches 1 8 32 64 128] [--contexts 4096 65536] [--out DIR]
+
+A random V4-Flash-width model (models.random, built on the GPU) runs decode steps through
+the engine (FP8 caches) with B requests at a given context. The caches are filled with
+random rows instead of a prefill (the step reads them the same way). Reported per cell:
+step time, the memory floor (bytes one step must read: all non-expert weights, the routed
+experts the batch is expected to touch, the KV rows its attention reads; over the copy
+bandwidth measured in the run), time / floor, and the largest ops of one step by CUDA time
+(torch profiler). --small runs tiny widths (a smoke test; also on the CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+KINDS = {"swa": "sliding_attention", "csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def fill_caches(cache, g) -> None:
+    """Random KV rows (and indexer keys) in every page and ring row of the cache."""
+    from deepfuse import kv_format as F
+    from deepfuse import ops
+
+    dev = cache.device
+
+    def rows(n, d):
+        return torch.randn(n, d, generator=g, device=dev).to(torch.bfloat16)
+
+    def kv(t, ps):
+        L, P = t.shape[0], t.shape[1]
+        for l in range(L):
+            for p0 in range(0, P, 1024):
+                p1 = min(P, p0 + 1024)
+                slots = torch.arange(p0 * ps, p1 * ps, device=dev)
+                if cache.fp8:
+                    ops.kv_store(F.KVPages(F.KVFormat(ps, "fp8"), t[l:l + 1]), slots, rows(len(slots), F.KV_DIM))
+                else:
+                    t[l].view(-1, t.shape[-1])[slots] = rows(len(slots), t.shape[-1]).to(t.dtype)
+
+    kv(cache.ring, cache.geometry.ring_page_rows)
+    for r, t in cache.comp.items():
+        kv(t, cache.page_size)
+    if cache.index is not None:
+        t, ps = cache.index, cache.page_size
+        for l in range(t.shape[0]):
+            slots = torch.arange(t.shape[1] * ps, device=dev)
+            k = rows(len(slots), cache.cfg.index_head_dim)
+            if cache.fp8:
+                ops.indexer_key_store(F.IndexerKeyPages(F.IndexerKeyFormat(ps, "fp8"), t[l:l + 1]), slots, k)
+            else:
+                t[l].view(-1, t.shape[-1])[slots] = k.to(t.dtype)
+
+
+def start_requests(eng, B: int, context: int, g) -> None:
+    """B running requests that have computed context - 1 tokens (their caches hold random rows)."""
+    from deepfuse.engine import SamplingParams
+    from deepfuse.engine.request import Status
+
+    V = eng.vocab_size
+    for i in range(B):
+        eng.add_request(f"s{i}", torch.randint(0, V, (context,), generator=g, device="cpu").tolist(),
+                        SamplingParams(max_tokens=64, ignore_eos=True))
+    sch, cache = eng.scheduler, eng.cache
+    while sch.waiting:
+        req = sch.waiting.popleft()
+        req.cache = cache.admit()
+        req.status = Status.RUNNING
+        cache.grow(req.cache, context)
+        req.num_computed = context - 1
+        sch.running.append(req)
+    cache.flush()
+
+
+def floor_bytes(model, B: int, context: int) -> float:
+    """Bytes one decode step must read: every non-expert weight once, the expected distinct
+    routed experts of B tokens (top-k of E, uniform), and the FP8 KV rows attention reads."""
+    cfg = model.cfg
+    expert, other = 0, 0
+    for name, t in model.named_buffers():
+        n = t.numel() * t.element_size()
+        if ".experts." in name:
+            expert += n
+        elif not name.startswith("mtp.") and "embed" not in name:
+            other += n
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    frac = 1 - (1 - k / E) ** B
+    kv = 0
+    for t in cfg.layer_types:
+        r = cfg.compress_ratio(t)
+        rows = min(context, cfg.sliding_window)
+        if t == KINDS["csa"]:
+            rows += min(context // r, cfg.index_topk) + (context // r) * 132 / 584  # selected rows + indexer keys
+        elif t == KINDS["hca"]:
+            rows += context // r
+        kv += rows * 584
+    # (hash-routed layers touch up to B * k experts as well: counted alike)
+    return other + expert * frac + B * kv
+
+
+def step_profile(eng, dev, top: int = 12) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        eng.step()
+        _sync(dev)
+    key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+    rows = []
+    for e in sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]:
+        rows.append({"op": e.key, "ms": getattr(e, key, 0) / 1e3, "calls": e.count})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layers", default="swa,csa,hca,csa")
+    ap.add_argument("--experts", default="fp8", choices=["fp8", "mxfp4"])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64, 128])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 65536])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="tiny widths: a smoke test")
+    a = ap.parse_args(argv)
+    from deepfuse.engine import LLM
+    from deepfuse.models import random as rnd
+
+    dev = torch.device(a.device)
+    kinds = [KINDS[k] for k in a.layers.split(",")]
+    small = dict(hidden_size=64, num_attention_heads=4, n_routed_experts=8, moe_intermediate_size=64, q_lora_rank=64,
+                 o_groups=2, o_lora_rank=64, vocab_size=1000, index_n_heads=4, index_topk=8) if a.small else {}
+    cfg = rnd.flash_config(kinds, **small)
+    t0 = time.perf_counter()
+    model = rnd.build(cfg, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                      quant="fp8", expert_quant=a.experts)
+    print(f"# model {a.layers} {a.experts} experts built in {time.perf_counter() - t0:.1f} s")
+    copy = None
+    if dev.type == "cuda":
+        from microbench.harness import copy_bandwidth
+
+        copy = copy_bandwidth()
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    gc = torch.Generator().manual_seed(0)
+    for ctx in a.contexts:
+        for B in a.batches:
+            llm = LLM(model, kv_dtype="fp8", max_num_seqs=B, max_num_batched_tokens=max(256, B * 4),
+                      max_total_tokens=B * (ctx + 128), max_model_len=ctx + 128, overlap=False)
+            eng = llm.engine
+            fill_caches(eng.cache, g)
+            start_requests(eng, B, ctx, gc)
+            eng.step()  # warm-up
+            ts = []
+            for _ in range(a.steps):
+                _sync(dev)
+                t = time.perf_counter()
+                eng.step()
+                _sync(dev)
+                ts.append(time.perf_counter() - t)
+            step = statistics.median(ts)
+            fl = floor_bytes(model, B, ctx)
+            row = {"B": B, "context": ctx, "step_ms": step * 1e3, "floor_MB": fl / 1e6}
+            if copy:
+                row["floor_ms"] = fl / copy * 1e3
+                row["x_floor"] = step / (fl / copy)
+            row["top_ops"] = step_profile(eng, dev)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "top_ops"})
+            print("   largest:", ", ".join(f"{r['op']} {r['ms']:.2f} ms" for r in row["top_ops"][:5]))
+            rows.append(row)
+            del llm, eng
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": os.environ.get("DEEPFUSE_COMMIT", "unknown"), "layers": a.layers, "experts": a.experts,
+            "copy_tbps": copy / 1e12 if copy else None}
+    (out / "step.json").write_text(json.dumps({"kernel": "step", "context": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
