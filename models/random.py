@@ -6,7 +6,7 @@ V4-Flash / V4-Pro widths with a chosen number of layers.
                                    "heavily_compressed_attention", "compressed_sparse_attention"])
     model = rnd.build(cfg, device="cuda", dtype=torch.bfloat16, quant="fp8")   # or "mxfp4" experts
 
-Values follow models.tiny's scales (activations stay O(1)); linears other than the ones V4
+Values come from models.tiny's initialiser (activations stay O(1)); linears other than the ones V4
 keeps in bf16 are FP8 with 128 x 128 UE8M0 block scales, routed experts FP8 or MXFP4, as in
 the released checkpoints. Weights are generated and quantised one tensor (one expert) at a
 time on the device, so host memory stays small.
@@ -21,8 +21,8 @@ from .config import CSA, HCA, SWA, V4Config
 from .linear import Linear, slots
 from .model import V4Model
 from .moe import Experts
+from .tiny import _DENSE_ONLY, _init
 
-_DENSE_ONLY = ("compressor.wkv", "compressor.wgate", "weights_proj", "head")
 
 
 def flash_config(layers: Optional[list[str]] = None, *, pro: bool = False, **overrides) -> V4Config:
@@ -38,35 +38,6 @@ def flash_config(layers: Optional[list[str]] = None, *, pro: bool = False, **ove
            "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                             "beta_fast": 32, "beta_slow": 1}, **d, **overrides}
     return V4Config.from_dict(cfg)
-
-
-def _value(name: str, shape, kind: str, g: torch.Generator, cfg: V4Config, device) -> torch.Tensor:
-    def randn(std=1.0, mean=0.0):
-        return torch.randn(shape, generator=g, device=device) * std + mean
-
-    leaf = name.rsplit(".", 1)[-1]
-    if kind == "index":  # tid2eid: distinct experts per token
-        V, k = shape
-        return torch.rand(V, cfg.n_routed_experts, generator=g, device=device).argsort(-1)[:, :k].to(torch.int64)
-    if name.endswith("_fn"):
-        return randn(shape[1] ** -0.5)
-    if name.endswith("_base"):
-        return randn(0.5)
-    if name.endswith("_scale") and "hc_" in name:
-        return randn(0.2, 1.0)
-    if leaf in ("attn_sink",):
-        return randn(1.0)
-    if leaf == "ape":
-        return randn(0.5)
-    if leaf == "bias":
-        return randn(0.1)
-    if name.endswith("gate.weight"):
-        return randn(shape[1] ** -0.5)
-    if name == "embed.weight":
-        return randn(1.0)
-    if leaf == "weight" and len(shape) == 1:
-        return randn(0.1, 1.0)
-    return randn(shape[-1] ** -0.5)
 
 
 def _quantise(w: torch.Tensor, fmt: str):
@@ -95,10 +66,10 @@ def build(cfg: V4Config, *, device="cuda", dtype=torch.bfloat16, quant: Optional
     for prefix, mod in model.named_modules():
         dot = prefix + "." if prefix else ""
         for name, kind in slots(mod).items():
-            t = _value(dot + name, tuple(getattr(mod, name).shape), kind, g, cfg, device)
+            t = _init(dot + name, tuple(getattr(mod, name).shape), kind, g, cfg)
             setattr(mod, name, t.to(dtype) if kind == "act" else t)
         if isinstance(mod, Linear):
-            w = _value(prefix + ".weight", (mod.out_features, mod.in_features), "act", g, cfg, device)
+            w = _init(prefix + ".weight", (mod.out_features, mod.in_features), "act", g, cfg)
             if quant is None or any(prefix.endswith(s) for s in _DENSE_ONLY):
                 mod.set_weight(w.to(dtype))
             else:

@@ -75,11 +75,15 @@ _DENSE_ONLY = ("compressor.wkv", "compressor.wgate", "weights_proj", "head")
 
 
 def _init(name: str, shape, kind: str, g: torch.Generator, cfg: V4Config) -> torch.Tensor:
-    """Random values of the right scale for each kind of tensor (keeps activations O(1))."""
+    """Random values of the right scale for each kind of tensor (keeps activations O(1)), on
+    the generator's device (models.random builds on the GPU with it)."""
     def randn(std=1.0, mean=0.0):
-        return torch.randn(shape, generator=g) * std + mean
+        return torch.randn(shape, generator=g, device=g.device) * std + mean
 
     leaf = name.rsplit(".", 1)[-1]
+    if kind == "index" and g.device.type != "cpu":  # tid2eid in one go on the device
+        V, k = shape
+        return torch.rand(V, cfg.n_routed_experts, generator=g, device=g.device).argsort(-1)[:, :k].to(torch.int64)
     if kind == "index":  # tid2eid: distinct experts per token
         V, k = shape
         return torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:k] for _ in range(V)]).to(torch.int32)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .cache import CacheManager, default_total_tokens
 from .context import build_context
 from .engine import Engine, EngineConfig
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, host_arrays
 from .speculative import SpecDecoder
 
 # the lent multi-GPU machines require NVLink multicast off; set wherever ranks start
@@ -108,25 +108,10 @@ class StepChannel:
 
 
 def step_arrays(chunks) -> tuple[np.ndarray, ...]:
-    """(ids, starts, counts, slots, num_logits): the host arrays ModelRunner.prepare builds
-    the step context from (the same rules; tests/test_distributed.py checks they agree)."""
-    starts, counts, slots, nlog, ids = [], [], [], [], []
-    for c in chunks:
-        req, a, n = c.req, c.start, c.count
-        starts.append(a)
-        counts.append(n)
-        slots.append(req.cache.slot)
-        if req.drafts and a + 1 == req.num_tokens:  # verify: the last token, then the drafts
-            ids.append(req.token(a))
-            ids.extend(req.drafts)
-            nlog.append(n)
-            continue
-        nlog.append(1 if a + n == req.num_tokens else 0)
-        if n == 1:
-            ids.append(req.token(a))
-        else:
-            ids.extend(req.tokens(a, a + n))
-    return tuple(np.array(x, dtype=np.int64) for x in (ids, starts, counts, slots, nlog))
+    """(ids, starts, counts, slots, num_logits): the host arrays the step context is built
+    from (ModelRunner.prepare's own; tensor parallel runs without overlap, so no row of them
+    waits for a token still on the device)."""
+    return host_arrays(chunks)[:5]
 
 
 def apply_table_updates(cache: CacheManager, updates: np.ndarray) -> None:

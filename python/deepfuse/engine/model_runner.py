@@ -28,6 +28,35 @@ def apply_constraints(logits: torch.Tensor, reqs) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def host_arrays(chunks: list[ScheduledChunk]):
+    """The step's host arrays (ids, starts, counts, slots, num_logits as int64 numpy) and the
+    rows whose token is still on the device (patch_rows, and its row in the in-flight step's
+    tokens, patch_src; their ids are 0 here)."""
+    starts, counts, slots, nlog, ids = [], [], [], [], []
+    patch_rows, patch_src = [], []
+    for c in chunks:
+        req, a, n = c.req, c.start, c.count
+        starts.append(a)
+        counts.append(n)
+        slots.append(req.cache.slot)
+        if req.drafts and a + 1 == req.num_tokens:  # verify: the last token, then the drafts
+            ids.append(req.token(a))
+            ids.extend(req.drafts)
+            nlog.append(n)
+            continue
+        nlog.append(1 if a + n == req.num_tokens else 0)
+        if n == 1:
+            ids.append(req.token(a))
+        else:
+            ids.extend(req.tokens(a, a + n))
+        if req.pending is not None and a + n == req.num_tokens:
+            patch_rows.append(len(ids) - 1)
+            patch_src.append(req.pending[1])
+            ids[-1] = 0
+    i64 = np.int64
+    return (*(np.array(x, dtype=i64) for x in (ids, starts, counts, slots, nlog)), patch_rows, patch_src)
+
+
 class ModelRunner:
     def __init__(self, model, cache: CacheManager):
         self.model, self.cache = model, cache
@@ -40,31 +69,8 @@ class ModelRunner:
         """The step context of chunks. pending_tokens: the in-flight step's sampled tokens on
         the device; a request's last token that is still there (req.pending) is taken from it."""
         t0 = time.perf_counter()
-        starts, counts, slots, nlog, ids = [], [], [], [], []
-        patch_rows, patch_src = [], []
-        for c in chunks:
-            req, a, n = c.req, c.start, c.count
-            starts.append(a)
-            counts.append(n)
-            slots.append(req.cache.slot)
-            if req.drafts and a + 1 == req.num_tokens:  # verify: the last token, then the drafts
-                ids.append(req.token(a))
-                ids.extend(req.drafts)
-                nlog.append(n)
-                continue
-            nlog.append(1 if a + n == req.num_tokens else 0)
-            if n == 1:
-                ids.append(req.token(a))
-            else:
-                ids.extend(req.tokens(a, a + n))
-            if req.pending is not None and a + n == req.num_tokens:
-                patch_rows.append(len(ids) - 1)
-                patch_src.append(req.pending[1])
-                ids[-1] = 0
-        i64 = np.int64
-        starts, counts, slots, ids = (np.array(x, dtype=i64) for x in (starts, counts, slots, ids))
-        ctx = build_context(ids, starts, counts, slots, np.array(nlog, dtype=i64), self.cache.geometry,
-                            self.cache.block_tables,
+        ids, starts, counts, slots, nlog, patch_rows, patch_src = host_arrays(chunks)
+        ctx = build_context(ids, starts, counts, slots, nlog, self.cache.geometry, self.cache.block_tables,
                             self.device, self.cache.host_block_tables)
         if patch_rows:
             rows = torch.tensor(patch_rows, device=self.device)
