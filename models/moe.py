@@ -61,9 +61,9 @@ class Experts(nn.Module):
             setattr(self, f"s{name[1]}", s)
         self.fmt = fmt
 
-    def forward(self, x, ids, weights, limit: float):
+    def forward(self, x, ids, weights, limit: float, shared: Optional[tuple] = None):
         return ops.moe_experts(x, ids, weights, self.w1, self.w3, self.w2, s1=self.s1, s3=self.s3, s2=self.s2,
-                               fmt=self.fmt, limit=limit)
+                               fmt=self.fmt, limit=limit, shared=shared)
 
 
 class SharedExpert(nn.Module):
@@ -97,7 +97,20 @@ class MoE(nn.Module):
         weights, ids = ops.moe_route(logits, cfg.num_experts_per_tok, bias=None if self.is_hash else self.gate.bias,
                                      route_scale=cfg.routed_scaling_factor, score_func=cfg.scoring_func,
                                      hash_ids=hash_ids)
+        shared = self._fused_shared()
+        if shared is not None:  # one more expert inside the fused MoE kernels
+            return self.experts(flat, ids, weights, cfg.swiglu_limit, shared=shared).view(shape)
         y = self.experts(flat, ids, weights, cfg.swiglu_limit)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, cfg.swiglu_limit)
         return y.view(shape)
+
+    def _fused_shared(self) -> Optional[tuple]:
+        """The FP8 shared expert's tensors when it can run inside ops.moe_experts (quantised
+        routed experts, not sharded), else None."""
+        se = self.shared_experts
+        if se is None or type(self.experts) is not Experts or self.experts.fmt not in ("fp8", "mxfp4"):
+            return None
+        if any(lin.fmt != "fp8" for lin in (se.w1, se.w3, se.w2)):
+            return None
+        return (se.w1.weight, se.w3.weight, se.w2.weight, se.w1.scale, se.w3.scale, se.w2.scale)

@@ -213,7 +213,7 @@ def test_moe_experts_match_oracle_experts():
     only0 = ops.moe_experts(x, ids2, w, w1, w3, ex.down_proj.detach(), limit=0.7)
     torch.testing.assert_close(only0, ex(x, ids[:, :1], w[:, :1]))
     torch.library.opcheck(torch.ops.deepfuse.moe_experts,
-                          (x, ids, w, w1, w3, ex.down_proj.detach(), None, None, None, "dense", 0.7))
+                          (x, ids, w, w1, w3, ex.down_proj.detach(), None, None, None, "dense", 0.7) + (None,) * 6)
     with pytest.raises(ValueError, match="w2 must be"):
         ops.moe_experts(x, ids, w, w1, w3, ex.down_proj[:3].detach())
 

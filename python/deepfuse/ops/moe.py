@@ -15,7 +15,16 @@ Semantics (the references define them), all in fp32:
   scales the SwiGLU output before w2, the oracle the w2 output: the same in exact math.)
   Weights may be stored as
   "dense", "fp8" (scales [E, ceil(I/128), ceil(d/128)] etc.) or "mxfp4" (uint8 [E, I, d/2],
-  scales [E, I, d/32]); see deepfuse.ops.linear for the formats.
+  scales [E, I, d/32]); see deepfuse.ops.linear for the formats. An optional shared expert
+  (fp8 or dense) adds W2_s swiglu(W1_s x_t, W3_s x_t) with weight 1.
+
+CUDA (csrc/moe): moe_route is one warp per token; moe_experts is a routing plan, an FP8
+activation cast (per token per 128, fp32 scales), GEMM1 (w1 | w3 with the clamped SwiGLU in its
+epilogue), the cast of h, GEMM2 (times the routing weight) and a combine that sums each token's
+slots in order (deterministic). FP8 e4m3 MMAs with fp32 accumulation; MXFP4 weights are decoded
+to e4m3 in shared memory. Activations are quantised there (the reference does not): the error
+bound in tests/test_moe_gpu.py states what that costs. No host sync; graph-capturable. No
+repacking: the kernels read the checkpoint layouts as stored.
 """
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from deepfuse import _ext
 from deepfuse.ops._checks import check_choice, check_int, check_tensor
 from deepfuse.ops._registry import op
 from deepfuse.ops.linear import check_weight, dequant_weight
@@ -72,7 +82,19 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt: str, limit: float):
+def _weight_fmt(w: torch.Tensor) -> str:
+    return "fp8" if w.dtype == torch.float8_e4m3fn else "dense"
+
+
+def shared_expert_ref(x, shared, limit: float):
+    """The shared expert (weight 1 for every token): shared = (w1, w3, w2, s1, s3, s2), fp8 or dense."""
+    w1, w3, w2, s1, s3, s2 = shared
+    fmt = _weight_fmt(w1)
+    st = (lambda s: None if s is None else s[None])
+    return _expert(x.float(), 0, w1[None], w3[None], w2[None], st(s1), st(s3), st(s2), fmt, limit)
+
+
+def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt: str, limit: float, shared=None):
     T, d = x.shape
     E = w1.shape[0]
     out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
@@ -81,22 +103,43 @@ def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt: str, limit: fl
         w = (weights.float().unsqueeze(-1) * (ids.unsqueeze(-1) == torch.arange(E, device=x.device))).sum(1)
         for e in range(E):
             out += _expert(x.float(), e, w1, w3, w2, s1, s3, s2, fmt, limit) * w[:, e:e + 1]
-        return out.to(x.dtype)
-    for e in torch.unique(ids.reshape(-1)).tolist():  # host sync: reference only (eager)
-        if e < 0 or e >= E:
-            continue
-        rows, slots = torch.nonzero(ids == e, as_tuple=True)
-        y = _expert(x[rows].float(), e, w1, w3, w2, s1, s3, s2, fmt, limit)
-        out.index_add_(0, rows, y * weights[rows, slots].float().unsqueeze(-1))
+    else:
+        for e in torch.unique(ids.reshape(-1)).tolist():  # host sync: reference only (eager)
+            if e < 0 or e >= E:
+                continue
+            rows, slots = torch.nonzero(ids == e, as_tuple=True)
+            y = _expert(x[rows].float(), e, w1, w3, w2, s1, s3, s2, fmt, limit)
+            out.index_add_(0, rows, y * weights[rows, slots].float().unsqueeze(-1))
+    if shared is not None:
+        out += shared_expert_ref(x, shared, limit)
     return out.to(x.dtype)
 
 
-# no kernel yet for the three ops below: the op's body (the reference) also serves CUDA
-# tensors (moe_experts syncs the host there; a grouped-GEMM kernel replaces it).
+_SCORE_CODE = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+
+
 @op("moe_route")
 def _moe_route(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, route_scale: float, score_func: str,
                hash_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return moe_route_ref(logits, bias, k, route_scale, score_func, hash_ids)
+
+
+@_moe_route.register_kernel("cuda")
+def _(logits, bias, k, route_scale, score_func, hash_ids):
+    T, E = logits.shape
+    if not _ext.has_cuda_kernels() or E > 1024 or k > 32:
+        return moe_route_ref(logits, bias, k, route_scale, score_func, hash_ids)
+    lf = logits.float().contiguous()
+    bf = None if bias is None else bias.float().contiguous()
+    hi = None if hash_ids is None else hash_ids.contiguous()
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    if T:
+        _ext.ext(logits.device).moe_route(lf.data_ptr(), 0 if bf is None else bf.data_ptr(),
+                                          0 if hi is None else hi.data_ptr(), hi is not None and hi.dtype == torch.int64,
+                                          w.data_ptr(), ids.data_ptr(), T, E, k, float(route_scale),
+                                          _SCORE_CODE[score_func], _ext.stream(logits.device))
+    return w, ids
 
 
 @_moe_route.register_fake
@@ -118,12 +161,61 @@ def _(gate, up, limit):
 @op("moe_experts")
 def _moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                  w2: torch.Tensor, s1: Optional[torch.Tensor], s3: Optional[torch.Tensor], s2: Optional[torch.Tensor],
-                 fmt: str, limit: float) -> torch.Tensor:
-    return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit)
+                 fmt: str, limit: float, sh_w1: Optional[torch.Tensor], sh_w3: Optional[torch.Tensor],
+                 sh_w2: Optional[torch.Tensor], sh_s1: Optional[torch.Tensor], sh_s3: Optional[torch.Tensor],
+                 sh_s2: Optional[torch.Tensor]) -> torch.Tensor:
+    shared = None if sh_w1 is None else (sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2)
+    return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, shared)
+
+
+def kernel_supports(x, w1, s1, s3, s2, fmt: str) -> bool:
+    """Whether moe_experts' CUDA kernels serve this problem (else the reference runs)."""
+    T, d = x.shape
+    E, I = w1.shape[0], w1.shape[1]
+    if fmt not in ("fp8", "mxfp4") or x.dtype not in (torch.bfloat16, torch.float32) or not _ext.has_cuda_kernels():
+        return False
+    if d % 32 or I % 32 or d > 8192 or I > 8192 or E > 2046:
+        return False
+    if fmt == "mxfp4":
+        return d % 128 == 0 and I % 128 == 0 and all(s.dtype == torch.uint8 for s in (s1, s3, s2))
+    return True
+
+
+def _kernel_weight(w: torch.Tensor, s: torch.Tensor):
+    return (w.data_ptr(), s.data_ptr(), s.dtype == torch.uint8)
+
+
+@_moe_experts.register_kernel("cuda")
+def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2):
+    shared = None if sh_w1 is None else (sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2)
+    if not kernel_supports(x, w1, s1, s3, s2, fmt):
+        return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, shared)
+    T, d = x.shape
+    E, I, k = w1.shape[0], w1.shape[1], ids.shape[1]
+    fused = shared is not None and _weight_fmt(sh_w1) == "fp8" and sh_w1.shape[0] == I
+    ws = [t.contiguous() for t in (w1, s1, w3, s3, w2, s2)]
+    sh = None
+    if fused:
+        shc = [t.contiguous() for t in (sh_w1, sh_s1, sh_w3, sh_s3, sh_w2, sh_s2)]
+        sh = tuple(_kernel_weight(shc[i], shc[i + 1]) for i in (0, 2, 4))
+    problem = (T, d, I, E, k, 0 if fmt == "fp8" else 1, float(limit), _kernel_weight(ws[0], ws[1]),
+               _kernel_weight(ws[2], ws[3]), _kernel_weight(ws[4], ws[5]), sh)
+    C = _ext.ext(x.device)
+    xc = x.contiguous()
+    idc = ids.contiguous()
+    wc = weights.float().contiguous()
+    out = torch.empty_like(xc)
+    if T:
+        work = torch.empty(C.moe_workspace_bytes(problem), dtype=torch.uint8, device=x.device)
+        C.moe_experts(problem, xc.data_ptr(), xc.dtype == torch.bfloat16, idc.data_ptr(), idc.dtype == torch.int64,
+                      wc.data_ptr(), out.data_ptr(), work.data_ptr(), _ext.stream(x.device))
+    if shared is not None and not fused:
+        out = (out.float() + shared_expert_ref(x, shared, limit)).to(x.dtype)
+    return out
 
 
 @_moe_experts.register_fake
-def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit):
+def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2):
     return torch.empty_like(x)
 
 
@@ -152,8 +244,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Te
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, *, s1=None, s3=None, s2=None, fmt: str = "dense", limit: float = 0.0):
-    """Routed experts: x [T, d], ids/weights [T, k] -> sum of weighted expert outputs [T, d]."""
+                w2: torch.Tensor, *, s1=None, s3=None, s2=None, fmt: str = "dense", limit: float = 0.0,
+                shared: Optional[tuple] = None):
+    """Routed experts: x [T, d], ids/weights [T, k] -> sum of weighted expert outputs [T, d].
+
+    shared = (w1 [I, d], w3 [I, d], w2 [d, I], s1, s3, s2): a shared expert every token takes with
+    weight 1 (fp8 block-scaled, or dense with scales None); on the GPU it runs as one more
+    expert inside the fused kernels."""
     op = "moe_experts"
     check_tensor(op, "x", x, dtypes=_FLOATS, ndim=2)
     T, d = x.shape
@@ -165,11 +262,28 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     if w1.dim() != 3:
         raise ValueError(f"deepfuse: {op}: w1 must be [E, I, {'d/2' if fmt == 'mxfp4' else 'd'}], got {list(w1.shape)}")
     E, I = w1.shape[0], w1.shape[1]
+    if E < 1:
+        raise ValueError(f"deepfuse: {op}: w1 has no experts (shape {list(w1.shape)})")
     for name, w, s, (N, K) in (("w1", w1, s1, (I, d)), ("w3", w3, s3, (I, d)), ("w2", w2, s2, (d, I))):
         if w.dim() != 3 or w.shape[0] != E:
             raise ValueError(f"deepfuse: {op}: {name} must be [{E}, ...], got {list(w.shape)}")
         check_weight(op, w[0], None if s is None else s[0], fmt, N, K, name=f"{name}[e]")
+        if s is not None and fmt != "dense" and s.shape[0] != E:
+            raise ValueError(f"deepfuse: {op}: {name} scale must have {E} experts, got {list(s.shape)}")
         if w.device != x.device:
             raise ValueError(f"deepfuse: {op}: {name} is on {w.device}, x on {x.device}")
     scales = (s1, s3, s2) if fmt != "dense" else (None, None, None)
-    return torch.ops.deepfuse.moe_experts(x, ids, weights, w1, w3, w2, *scales, fmt, float(limit))
+    sh = (None,) * 6
+    if shared is not None:
+        if len(shared) != 6:
+            raise ValueError(f"deepfuse: {op}: shared must be (w1, w3, w2, s1, s3, s2), got {len(shared)} items")
+        sw1, sw3, sw2, ss1, ss3, ss2 = shared
+        Is = sw1.shape[0] if sw1.dim() == 2 else -1
+        sfmt = _weight_fmt(sw1)
+        for name, w, s, (N, K) in (("shared w1", sw1, ss1, (Is, d)), ("shared w3", sw3, ss3, (Is, d)),
+                                   ("shared w2", sw2, ss2, (d, Is))):
+            check_weight(op, w, s if sfmt == "fp8" else None, sfmt, N, K, name=name)
+            if w.device != x.device:
+                raise ValueError(f"deepfuse: {op}: {name} is on {w.device}, x on {x.device}")
+        sh = (sw1, sw3, sw2) + ((ss1, ss3, ss2) if sfmt == "fp8" else (None, None, None))
+    return torch.ops.deepfuse.moe_experts(x, ids, weights, w1, w3, w2, *scales, fmt, float(limit), *sh)

@@ -1,0 +1,225 @@
+"""Fused MoE kernels (csrc/moe) against the references, on the GPU.
+
+moe_experts quantises activations to FP8 e4m3 per token per 128 (x, then h = SwiGLU(...)
+rounded to bf16); the reference does not. So each case is checked twice, every element:
+- against an emulation of those roundings in torch (`emulated`): |out - emu| <= 2e-2 |emu| +
+  2e-2 max|emu| (fp32 summation order, and the rare rounding flip a different order causes);
+- against the exact reference: relative Frobenius error <= 0.08 (FP8 activation rounding:
+  about 2^-4 / sqrt(3) per element, twice).
+Routings: random top-k, all tokens on one expert, empty experts, ids -1 / >= E, the shared
+expert; T from 1 to 16384 with odd T; both weight formats; outputs poisoned with NaN first.
+"""
+import pytest
+import torch
+
+from deepfuse import ops
+from deepfuse.ops import moe as M
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def make_experts(E, I, d, fmt, seed=0, shared=False):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    out = {}
+    for name, (N, K) in (("w1", (I, d)), ("w3", (I, d)), ("w2", (d, I))):
+        w = torch.randn(E * N, K, device=DEV, generator=g) * (K ** -0.5)
+        if fmt == "fp8":
+            if N % 128:
+                qs = [ops.fp8_block_cast(w[e * N:(e + 1) * N].contiguous(), (128, 128), scale_fmt="ue8m0")
+                      for e in range(E)]
+                q, s = torch.stack([a for a, _ in qs]), torch.stack([b for _, b in qs])
+            else:
+                q, s = ops.fp8_block_cast(w, (128, 128), scale_fmt="ue8m0")
+                q, s = q.view(E, N, K), s.view(E, N // 128, -1)
+        else:
+            q, s = ops.mxfp4_cast(w)
+            q, s = q.view(E, N, K // 2), s.view(E, N, K // 32)
+        out[name] = (q, s)
+    sh = None
+    if shared:
+        ws = []
+        for N, K in ((I, d), (I, d), (d, I)):
+            w = torch.randn(N, K, device=DEV, generator=g) * (K ** -0.5)
+            ws.append(ops.fp8_block_cast(w, (128, 128), scale_fmt="fp32"))
+        sh = (ws[0][0], ws[1][0], ws[2][0], ws[0][1], ws[1][1], ws[2][1])
+    return out, sh
+
+
+def qdq_rows(x):
+    """FP8 per token per 128 (fp32 scales) and back: the kernel's activation rounding."""
+    q, s = ops.fp8_per_token_cast(x.float().contiguous(), 128)
+    return ops.fp8_per_token_dequant(q, s, dtype=torch.float32)
+
+
+def emulated(x, ids, w, ex, fmt, limit, shared):
+    T, d = x.shape
+    E = ex["w1"][0].shape[0]
+    deq = {n: [ops.linear.dequant_weight(ex[n][0][e], ex[n][1][e], fmt) for e in range(E)] for n in ex}
+    xq = qdq_rows(x)
+    out = torch.zeros(T, d, device=DEV)
+
+    def run(xr, a, b, c):
+        h = M.swiglu_ref(xr @ a.T, xr @ b.T, limit).to(torch.bfloat16)
+        return qdq_rows(h) @ c.T
+
+    for e in range(E):
+        rows, slots = torch.nonzero(ids == e, as_tuple=True)
+        if rows.numel():
+            y = run(xq[rows], deq["w1"][e], deq["w3"][e], deq["w2"][e])
+            out.index_add_(0, rows, y * w[rows, slots].float()[:, None])
+    if shared is not None:
+        a, b, c = (ops.linear.dequant_weight(shared[i], shared[i + 3], "fp8") for i in range(3))
+        out += run(xq, a, b, c)
+    return out
+
+
+def run_kernel(x, ids, w, ex, fmt, limit, shared):
+    (a, sa), (b, sb), (c, sc) = ex["w1"], ex["w3"], ex["w2"]
+    return ops.moe_experts(x, ids, w, a, b, c, s1=sa, s3=sb, s2=sc, fmt=fmt, limit=limit, shared=shared)
+
+
+def routing(T, E, k, kind, g):
+    if kind == "random":
+        ids = torch.rand(T, E, device=DEV, generator=g).topk(k, dim=-1).indices
+    elif kind == "one":
+        ids = torch.full((T, k), E // 2, device=DEV, dtype=torch.long)
+    elif kind == "few":  # most experts empty
+        ids = torch.randint(0, 2, (T, k), device=DEV, generator=g) * (E - 1)
+    else:  # "dropped": ids -1 and >= E mixed in
+        ids = torch.randint(-1, E + 2, (T, k), device=DEV, generator=g)
+    return ids, torch.rand(T, k, device=DEV, generator=g) + 0.1
+
+
+def check(out, emu, ref):
+    assert torch.isfinite(out).all()
+    o = out.float()
+    scale = emu.abs().max()
+    bad = (o - emu).abs() > 2e-2 * emu.abs() + 2e-2 * scale
+    assert not bad.any(), f"{int(bad.sum())} elements off the emulation; max {((o - emu).abs().max() / scale):.3g}"
+    rel = ((o - ref.float()).norm() / ref.float().norm()).item()
+    assert rel <= 0.08, rel
+    return rel
+
+
+CASES = [  # T, d, I, E, k, kind, shared
+    (1, 256, 128, 8, 2, "random", True),
+    (3, 256, 128, 8, 2, "dropped", False),
+    (8, 256, 128, 8, 2, "one", True),
+    (33, 256, 128, 16, 4, "few", False),
+    (131, 256, 256, 16, 4, "random", True),
+    (257, 256, 128, 8, 2, "random", False),   # prefill tiles
+    (1000, 256, 128, 8, 3, "dropped", True),
+    (4099, 256, 128, 16, 2, "one", False),    # large plan (several launches)
+]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("T,d,I,E,k,kind,shared", CASES)
+def test_moe_experts_matches_reference(fmt, T, d, I, E, k, kind, shared):
+    g = torch.Generator(device=DEV).manual_seed(T * 7 + E)
+    ex, sh = make_experts(E, I, d, fmt, seed=T, shared=shared)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    ids, w = routing(T, E, k, kind, g)
+    out = run_kernel(x, ids, w, ex, fmt, 6.0, sh)
+    ref = M.moe_experts_ref(x.float(), ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), fmt, 6.0, sh)
+    check(out, emulated(x, ids, w, ex, fmt, 6.0, sh), ref)
+
+
+@pytest.mark.parametrize("T,d,I", [(5, 96, 32), (70, 160, 96), (300, 64, 32)])
+def test_moe_experts_fp8_tails_and_fp32_x(T, d, I):
+    """K not a multiple of 128 (zero-filled chunk), N tails, fp32 activations and scales."""
+    g = torch.Generator(device=DEV).manual_seed(d)
+    ex, _ = make_experts(4, I, d, "fp8", seed=d)
+    x = torch.randn(T, d, device=DEV, generator=g)
+    ids, w = routing(T, 4, 2, "random", g)
+    out = run_kernel(x, ids, w, ex, "fp8", 0.0, None)
+    assert out.dtype == torch.float32
+    ref = M.moe_experts_ref(x, ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), "fp8", 0.0, None)
+    check(out, emulated(x, ids, w, ex, "fp8", 0.0, None), ref)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 64, 16384])
+def test_moe_experts_v4_flash_shape(fmt, T):
+    E, d, I, k = 256, 4096, 2048, 6
+    g = torch.Generator(device=DEV).manual_seed(T)
+    ex, sh = make_experts(E, I, d, fmt, seed=1, shared=True)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    ids, w = routing(T, E, k, "random", g)
+    out = run_kernel(x, ids, w, ex, fmt, 10.0, sh)
+    if T > 64:  # the emulation at 16K tokens: sample rows
+        rows = torch.randperm(T, device=DEV, generator=g)[:256]
+        x, ids, w, out = x[rows], ids[rows], w[rows], out[rows]
+    ref = M.moe_experts_ref(x.float(), ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), fmt, 10.0, sh)
+    rel = check(out, emulated(x, ids, w, ex, fmt, 10.0, sh), ref)
+    print(f"V4-Flash {fmt} T={T}: relative error vs exact reference {rel:.4f}")
+
+
+def test_moe_experts_deterministic_and_graph_capturable():
+    T, d, I, E, k = 48, 512, 256, 32, 6
+    g = torch.Generator(device=DEV).manual_seed(3)
+    ex, sh = make_experts(E, I, d, "fp8", seed=3, shared=True)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    ids, w = routing(T, E, k, "random", g)
+    first = run_kernel(x, ids, w, ex, "fp8", 5.0, sh)
+    assert torch.equal(first, run_kernel(x, ids, w, ex, "fp8", 5.0, sh))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_kernel(x, ids, w, ex, "fp8", 5.0, sh)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run_kernel(x, ids, w, ex, "fp8", 5.0, sh)
+    x2 = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    ids2, w2 = routing(T, E, k, "dropped", g)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.testing.assert_close(y, run_kernel(x2, ids2, w2, ex, "fp8", 5.0, sh), rtol=0, atol=0)
+
+
+@pytest.mark.sanitize
+def test_moe_sanitize_small():
+    """Small cases of every kernel path for compute-sanitizer (tools/gpu_run.sh)."""
+    for fmt in ("fp8", "mxfp4"):
+        for T in (2, 300):
+            g = torch.Generator(device=DEV).manual_seed(T)
+            ex, sh = make_experts(4, 128, 256, fmt, seed=T, shared=True)
+            x = torch.randn(T, 256, device=DEV, generator=g).to(torch.bfloat16)
+            ids, w = routing(T, 4, 2, "dropped", g)
+            out = run_kernel(x, ids, w, ex, fmt, 6.0, sh)
+            assert torch.isfinite(out).all()
+    logits = torch.randn(5, 64, device=DEV)
+    ops.moe_route(logits, 6, bias=torch.randn(64, device=DEV))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("score", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("T,E,k", [(1, 256, 6), (37, 384, 6), (500, 64, 8), (3, 1024, 32)])
+def test_moe_route_matches_reference(score, T, E, k):
+    g = torch.Generator(device=DEV).manual_seed(E + T)
+    logits = torch.randn(T, E, device=DEV, generator=g) * 2
+    bias = torch.randn(E, device=DEV, generator=g) * 0.1
+    w, ids = ops.moe_route(logits, k, bias=bias, route_scale=1.5, score_func=score)
+    wr, ir = M.moe_route_ref(logits, bias, k, 1.5, score, None)
+    order, order_r = ids.sort(-1), ir.sort(-1)
+    assert torch.equal(order.values, order_r.values)
+    torch.testing.assert_close(w.gather(-1, order.indices), wr.gather(-1, order_r.indices), rtol=1e-5, atol=1e-6)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_moe_route_hash_path(dtype):
+    T, E, k = 40, 256, 6
+    g = torch.Generator(device=DEV).manual_seed(1)
+    logits = torch.randn(T, E, device=DEV, generator=g)
+    hash_ids = torch.randint(0, E, (T, k), device=DEV, generator=g).to(dtype)
+    w, ids = ops.moe_route(logits, k, route_scale=2.5, hash_ids=hash_ids)
+    wr, ir = M.moe_route_ref(logits, None, k, 2.5, "sqrtsoftplus", hash_ids)
+    assert torch.equal(ids, ir)
+    torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
