@@ -12,6 +12,7 @@ BENCHES = [
     "bench_topk",
     "bench_kvcache",
     "bench_attention",
+    "bench_moe",
 ]
 
 

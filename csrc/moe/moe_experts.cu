@@ -28,8 +28,8 @@ constexpr int kPlanThreads = 1024;
 constexpr int kMaxExperts = 2 * kPlanThreads - 1;  // E + 1 scan slots
 constexpr int kSmallPlan = 16384;                    // pairs planned in one CTA
 
-using DecodeCfg = GemmCfg<16, 64, 1, 4, 6>;
-using PrefillCfg = GemmCfg<64, 128, 2, 4, 4>;
+using DecodeCfg = GemmCfg<16, 1, 6>;    // 64 weight rows x 16 tokens
+using PrefillCfg = GemmCfg<128, 2, 4>;  // 128 weight rows x 128 tokens
 
 struct PlanArgs {
   const void* ids;
@@ -190,7 +190,7 @@ struct Workspace {
 
 int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
-int plan_bm(const MoeProblem& p) { return p.T <= 256 ? DecodeCfg::BM : PrefillCfg::BM; }
+int plan_bm(const MoeProblem& p) { return p.T <= 256 ? DecodeCfg::BT : PrefillCfg::BT; }
 
 Workspace carve(const MoeProblem& p, void* base) {
   const int ktot = p.k + (p.has_shared ? 1 : 0), nexp = p.E + (p.has_shared ? 1 : 0);
@@ -246,7 +246,7 @@ void run_gemms(const MoeProblem& p, const Workspace& w, int64_t U, int64_t P, cu
   g1.K = p.d, g1.N = p.inter, g1.E = p.E;
   g1.b0 = op(p.w1), g1.b1 = op(p.w3), g1.sb0 = op(p.sw1), g1.sb1 = op(p.sw3);
   g1.tasks = w.tasks, g1.ntasks = w.ntasks, g1.out = w.h, g1.limit = p.limit;
-  const int n1 = ceil_div(p.inter, C::BN / 2);
+  const int n1 = ceil_div(p.inter, C::IPT);
   if (mx)
     launch_gemm<C, true, true>(g1, n1, U, stream);
   else
@@ -259,7 +259,7 @@ void run_gemms(const MoeProblem& p, const Workspace& w, int64_t U, int64_t P, cu
   g2.K = p.inter, g2.N = p.d, g2.E = p.E;
   g2.b0 = op(p.w2), g2.b1 = op(p.w2), g2.sb0 = op(p.sw2), g2.sb1 = op(p.sw2);
   g2.tasks = w.tasks, g2.ntasks = w.ntasks, g2.out = w.Y, g2.row_weight = w.wrow;
-  const int n2 = ceil_div(p.d, C::BN);
+  const int n2 = ceil_div(p.d, C::ROWS);
   if (mx)
     launch_gemm<C, true, false>(g2, n2, U, stream);
   else
@@ -298,7 +298,7 @@ void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* id
   }
   fp8_group_cast(x, x_bf16, w.xq, w.xs, ScaleKind::kFp32, p.T, p.d, p.d, 128, 0, stream);
 
-  if (BM == DecodeCfg::BM)
+  if (BM == DecodeCfg::BT)
     run_gemms<DecodeCfg>(p, w, U, P, stream);
   else
     run_gemms<PrefillCfg>(p, w, U, P, stream);

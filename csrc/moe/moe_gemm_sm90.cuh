@@ -1,14 +1,21 @@
-// Grouped expert GEMM for sm90: FP8 e4m3 mma.sync (m16n8k32) over a cp.async pipeline.
+// Grouped expert GEMM for sm90: wgmma (m64nNk32, e4m3 x e4m3 -> f32, both operands in
+// shared memory, 128-byte swizzled K-major tiles) over a multi-stage cp.async pipeline.
+// (mma.sync's e4m3 form is not native on sm90: it runs through an f16 conversion.)
 //
-// One CTA computes a BM x BN tile of one task (an expert's run of up to BM sorted rows):
-//   SWIGLU (GEMM1): tile columns [0, BN/2) are w1 rows col0.., [BN/2, BN) w3 rows col0..;
+// Swapped operands: the weights are wgmma's M side (64 rows per warpgroup) and the task's
+// tokens its N side (BT per CTA), so a decode task of one token wastes no weight reads.
+// One CTA computes 64 * WG weight rows x BT tokens of one task (an expert's run of <= BT
+// sorted pair positions):
+//   SWIGLU (GEMM1): in each warp's 16 rows, rows 0-7 are w1 rows i.. and rows 8-15 the w3 rows
+//                   of the same i, so every thread holds gate and up of the same (i, token);
 //                   the epilogue writes h = silu(min(g, L)) * clamp(u, -L, L) as bf16 [P, inter].
-//   plain (GEMM2):  tile columns are w2 rows col0..; the epilogue writes acc * row weight as fp32.
-// A is FP8 with one fp32 scale per row per 128 of K (deepfuse's activation cast). Weights:
-//   fp8   128 x 128 block scales: a 128-K chunk's four MMAs accumulate apart, then scale once.
+//   plain (GEMM2):  w2 rows; the epilogue writes acc * routing weight as fp32 [P, d].
+// Activations are FP8 with one fp32 scale per token per 128 of K (deepfuse's activation cast).
+//   fp8   128 x 128 weight block scales: a 128-K chunk's four wgmmas accumulate apart, then
+//         are scaled once into the fp32 accumulator (DeepGEMM's promotion).
 //   mxfp4 e2m1 decoded to e4m3 in shared memory (e4m3 bits (m << 2 | s << 7) hold the e2m1
-//         value times 2^-6, exactly, subnormals included); each k32 MMA is one MX group, so
-//         its partial sum takes that group's UE8M0 scale (times 2^6).
+//         value times 2^-6, exactly, subnormals included); each k32 wgmma is one MX group, so
+//         its partial sum takes that group's per-row UE8M0 scale (times 2^6).
 // Rows are summed in a fixed order whatever tile they land in, so results do not depend on
 // the routing plan's placement (atomics there are harmless).
 #pragma once
@@ -16,6 +23,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "moe/wgmma_e4m3.cuh"
 
 namespace deepfuse::moe {
 
@@ -56,17 +65,27 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {  // keep reads after wgmma_wait0
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+template <int BT>
+__device__ __forceinline__ void wgmma_tile(float (&d)[BT / 2], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (BT == 16) wgmma_m64n16k32(d, da, db, scale_d);
+  else if constexpr (BT == 32) wgmma_m64n32k32(d, da, db, scale_d);
+  else if constexpr (BT == 64) wgmma_m64n64k32(d, da, db, scale_d);
+  else wgmma_m64n128k32(d, da, db, scale_d);
 }
 
 __device__ __forceinline__ float ue8m0_value(uint32_t b) {
@@ -81,50 +100,58 @@ __device__ __forceinline__ uint2 e2m1x8_to_e4m3(uint32_t x) {
   return make_uint2(__byte_perm(lo, hi, 0x5140), __byte_perm(lo, hi, 0x7362));
 }
 
-template <int BM_, int BN_, int WM_, int WN_, int STAGES_>
+template <int BT_, int WG_, int STAGES_>
 struct GemmCfg {
-  static constexpr int BM = BM_, BN = BN_, WM = WM_, WN = WN_, STAGES = STAGES_;
-  static constexpr int kThreads = WM * WN * 32;
-  static constexpr int WTM = BM / WM, WTN = BN / WN;
-  static constexpr int MI = WTM / 16, NI = WTN / 8, HALF = NI / 2;
-  static_assert(WTM % 16 == 0 && WTN % 16 == 0 && BN <= 128 && 128 % BN == 0, "tile shape");
-  // per stage: A tile, B region (fp8 tile, or mxfp4 packed tile + group scales), A scales
-  static constexpr int kA = BM * 128, kB = BN * 128, kAS = BM * 4;
-  static constexpr int kStage = kA + kB + kAS;
-  // + converted mxfp4 tile, rows, weight block scales (2 x kMaxKChunks)
-  static constexpr int kSmem = STAGES * kStage + kB + BM * 4 + 2 * kMaxKChunks * 4;
+  static constexpr int BT = BT_, WG = WG_, STAGES = STAGES_;
+  static constexpr int kThreads = WG * 128;
+  static constexpr int ROWS = 64 * WG;  // weight rows per CTA
+  static constexpr int IPT = 32 * WG;   // SwiGLU: intermediate columns per CTA
+  static_assert(BT == 16 || BT == 32 || BT == 64 || BT == 128, "wgmma N");
+  static_assert(128 % ROWS == 0 || ROWS == 128, "a tile stays inside one 128-row scale block");
+  // per stage, 1024-aligned: weight tile, token tile; then per stage: token scales, mxfp4
+  // packed weights and group scales; then the rows and the fp8 block scales.
+  static constexpr int kW = ROWS * 128, kX = BT * 128, kStage = kW + kX;
+  static constexpr int kAS = BT * 4, kPK = ROWS * 64, kSC = ROWS * 4;
+  static constexpr int kAux = kAS + kPK + kSC;
+  static constexpr int kSmem = 1024 + STAGES * (kStage + kAux) + BT * 4 + 2 * kMaxKChunks * 4;
 };
 
-// Column (within the CTA tile) of warp column wn's n8 subtile `sub`: the first HALF subtiles
-// in the tile's first half, the rest at the same offsets in the second half (SwiGLU pairs).
 template <class C>
-__device__ __forceinline__ int tile_col(int wn, int sub) {
-  return sub < C::HALF ? wn * C::HALF * 8 + sub * 8 : C::BN / 2 + wn * C::HALF * 8 + (sub - C::HALF) * 8;
+struct Smem {
+  char* base;
+  __device__ char* W(int st) const { return base + st * C::kStage; }
+  __device__ char* X(int st) const { return base + st * C::kStage + C::kW; }
+  __device__ char* aux(int st) const { return base + C::STAGES * C::kStage + st * C::kAux; }
+  __device__ float* AS(int st) const { return reinterpret_cast<float*>(aux(st)); }
+  __device__ uint8_t* PK(int st) const { return reinterpret_cast<uint8_t*>(aux(st) + C::kAS); }
+  __device__ uint8_t* SC(int st) const { return reinterpret_cast<uint8_t*>(aux(st) + C::kAS + C::kPK); }
+  __device__ int* rows() const { return reinterpret_cast<int*>(base + C::STAGES * (C::kStage + C::kAux)); }
+  __device__ float* ws() const { return reinterpret_cast<float*>(base + C::STAGES * (C::kStage + C::kAux) + C::BT * 4); }
+};
+
+// Tile row R's weight row (and which matrix): see the header comment.
+template <class C, bool SWIGLU>
+__device__ __forceinline__ int weight_row(int R, int col0, bool& up) {
+  if (SWIGLU) {
+    const int wg = R >> 6, r = R & 63;
+    up = (r & 15) >= 8;
+    return col0 + wg * 32 + (r >> 4) * 8 + (r & 7);
+  }
+  up = false;
+  return col0 + R;
 }
 
 template <class C, bool MX, bool SWIGLU>
 __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOperand& b0, const GemmOperand& b1,
-                                              int e, int col0, char* smem, float (&acc)[C::MI][C::NI][4]) {
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wm = warp / C::WN, wn = warp % C::WN;
+                                              int e, int col0, const Smem<C>& sm, float (&acc)[C::BT / 2]) {
+  constexpr int R = C::BT / 2;
+  const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, wq = (tid / 32) % 4;
   const int K = args.K, N = args.N, KB = (K + 127) / 128;
-  const int* s_rows = reinterpret_cast<const int*>(smem + C::STAGES * C::kStage + C::kB);
-  float* s_ws = reinterpret_cast<float*>(smem + C::STAGES * C::kStage + C::kB + C::BM * 4);
-  uint8_t* s_cb = reinterpret_cast<uint8_t*>(smem + C::STAGES * C::kStage);
   const int64_t kbytes = MX ? K / 2 : K;
+  const int* s_rows = sm.rows();
+  float* s_ws = sm.ws();
 
-  // the tile row n's weight row and matrix
-  auto wrow = [&](int n, const uint8_t*& base) -> int {
-    if (SWIGLU) {
-      const bool up = n >= C::BN / 2;
-      base = (up ? b1.w : b0.w);
-      return col0 + (up ? n - C::BN / 2 : n);
-    }
-    base = b0.w;
-    return col0 + n;
-  };
-
-  if (!MX) {  // this tile's 128 x 128 weight block scales over all of K
+  if (!MX) {  // the CTA's 128 x 128 weight block scales over all of K (gate, up)
     const int NB = (N + 127) / 128, nb = col0 / 128;
     for (int i = tid; i < (SWIGLU ? 2 : 1) * KB; i += C::kThreads) {
       const GemmOperand& op = (i >= KB) ? b1 : b0;
@@ -136,44 +163,46 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
   }
 
   auto load = [&](int st, int kb) {
-    char* sA = smem + st * C::kStage;
-    char* sB = sA + C::kA;
-    float* sAS = reinterpret_cast<float*>(sB + C::kB);
-    for (int c = tid; c < C::BM * 8; c += C::kThreads) {
+    char* sW = sm.W(st);
+    char* sX = sm.X(st);
+    for (int c = tid; c < C::BT * 8; c += C::kThreads) {
       const int r = c >> 3, ch = c & 7, row = s_rows[r];
       const int kbyte = kb * 128 + ch * 16;
       const bool ok = row >= 0 && kbyte < K;
-      cp_async16(sA + r * 128 + ((ch ^ (r & 7)) << 4), ok ? args.a + static_cast<int64_t>(row) * K + kbyte : args.a, ok);
+      cp_async16(sX + r * 128 + ((ch ^ (r & 7)) << 4), ok ? args.a + static_cast<int64_t>(row) * K + kbyte : args.a, ok);
     }
-    for (int r = tid; r < C::BM; r += C::kThreads) {
+    for (int r = tid; r < C::BT; r += C::kThreads) {
       const int row = s_rows[r];
-      cp_async4(sAS + r, row >= 0 ? args.a_scale + static_cast<int64_t>(row) * KB + kb : args.a_scale, row >= 0);
+      cp_async4(sm.AS(st) + r, row >= 0 ? args.a_scale + static_cast<int64_t>(row) * KB + kb : args.a_scale, row >= 0);
     }
     if (!MX) {
-      for (int c = tid; c < C::BN * 8; c += C::kThreads) {
-        const int n = c >> 3, ch = c & 7;
-        const uint8_t* base;
-        const int wr = wrow(n, base);
+      for (int c = tid; c < C::ROWS * 8; c += C::kThreads) {
+        const int r = c >> 3, ch = c & 7;
+        bool up;
+        const int wr = weight_row<C, SWIGLU>(r, col0, up);
+        const uint8_t* base = up ? b1.w : b0.w;
         const int kbyte = kb * 128 + ch * 16;
         const bool ok = wr < N && kbyte < K;
         const uint8_t* src = base + (static_cast<int64_t>(e) * N + wr) * kbytes + kbyte;
-        cp_async16(sB + n * 128 + ((ch ^ (n & 7)) << 4), ok ? src : base, ok);
+        cp_async16(sW + r * 128 + ((ch ^ (r & 7)) << 4), ok ? src : base, ok);
       }
     } else {
-      for (int c = tid; c < C::BN * 4; c += C::kThreads) {
-        const int n = c >> 2, ch = c & 3;
-        const uint8_t* base;
-        const int wr = wrow(n, base);
+      uint8_t* pk = sm.PK(st);
+      for (int c = tid; c < C::ROWS * 4; c += C::kThreads) {
+        const int r = c >> 2, ch = c & 3;
+        bool up;
+        const int wr = weight_row<C, SWIGLU>(r, col0, up);
+        const uint8_t* base = up ? b1.w : b0.w;
         const bool ok = wr < N;
         const uint8_t* src = base + (static_cast<int64_t>(e) * N + wr) * kbytes + kb * 64 + ch * 16;
-        cp_async16(sB + n * 64 + ch * 16, ok ? src : base, ok);
+        cp_async16(pk + r * 64 + ch * 16, ok ? src : base, ok);
       }
-      for (int n = tid; n < C::BN; n += C::kThreads) {
-        const uint8_t* base;
-        const int wr = wrow(n, base);
+      for (int r = tid; r < C::ROWS; r += C::kThreads) {
+        bool up;
+        const int wr = weight_row<C, SWIGLU>(r, col0, up);
+        const uint8_t* sc = static_cast<const uint8_t*>(up ? b1.scale : b0.scale);
         const bool ok = wr < N;
-        const uint8_t* sc = static_cast<const uint8_t*>(SWIGLU && n >= C::BN / 2 ? b1.scale : b0.scale);
-        cp_async4(sB + C::BN * 64 + n * 4, ok ? sc + (static_cast<int64_t>(e) * N + wr) * (K / 32) + kb * 4 : sc, ok);
+        cp_async4(sm.SC(st) + r * 4, ok ? sc + (static_cast<int64_t>(e) * N + wr) * (K / 32) + kb * 4 : sc, ok);
       }
     }
   };
@@ -184,92 +213,68 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
     cp_async_commit();
   }
   const int g = lane >> 2, t4 = lane & 3;
+  const int rg = wg * 64 + wq * 16 + g;  // this thread's tile rows rg, rg + 8
+  float part[R];
   for (int kb = 0; kb < KB; ++kb) {
     cp_async_wait<C::STAGES - 2>();
+    fence_proxy_async();
     __syncthreads();
     if (kb + C::STAGES - 1 < KB) load((kb + C::STAGES - 1) % C::STAGES, kb + C::STAGES - 1);
     cp_async_commit();
     const int st = kb % C::STAGES;
-    const char* sA = smem + st * C::kStage;
-    const char* sB = sA + C::kA;
-    const float* sAS = reinterpret_cast<const float*>(sB + C::kB);
-    const uint8_t* tileB = reinterpret_cast<const uint8_t*>(sB);
-    if (MX) {
-      for (int c = tid; c < C::BN * 4; c += C::kThreads) {
+    if (MX) {  // packed e2m1 -> swizzled e4m3 tile
+      const uint8_t* pk = sm.PK(st);
+      char* sW = sm.W(st);
+      for (int c = tid; c < C::ROWS * 4; c += C::kThreads) {
         const int n = c >> 2, q = c & 3;
-        const uint4 pk = *reinterpret_cast<const uint4*>(sB + n * 64 + q * 16);
-        const uint2 o0 = e2m1x8_to_e4m3(pk.x), o1 = e2m1x8_to_e4m3(pk.y);
-        const uint2 o2 = e2m1x8_to_e4m3(pk.z), o3 = e2m1x8_to_e4m3(pk.w);
-        *reinterpret_cast<uint4*>(s_cb + n * 128 + (((2 * q) ^ (n & 7)) << 4)) = make_uint4(o0.x, o0.y, o1.x, o1.y);
-        *reinterpret_cast<uint4*>(s_cb + n * 128 + (((2 * q + 1) ^ (n & 7)) << 4)) = make_uint4(o2.x, o2.y, o3.x, o3.y);
+        const uint4 v = *reinterpret_cast<const uint4*>(pk + n * 64 + q * 16);
+        const uint2 o0 = e2m1x8_to_e4m3(v.x), o1 = e2m1x8_to_e4m3(v.y);
+        const uint2 o2 = e2m1x8_to_e4m3(v.z), o3 = e2m1x8_to_e4m3(v.w);
+        *reinterpret_cast<uint4*>(sW + n * 128 + (((2 * q) ^ (n & 7)) << 4)) = make_uint4(o0.x, o0.y, o1.x, o1.y);
+        *reinterpret_cast<uint4*>(sW + n * 128 + (((2 * q + 1) ^ (n & 7)) << 4)) = make_uint4(o2.x, o2.y, o3.x, o3.y);
       }
+      fence_proxy_async();
       __syncthreads();
-      tileB = s_cb;
     }
-    float sa[C::MI][2];
+    const uint32_t wa = smem_u32(sm.W(st)) + wg * 64 * 128, xa = smem_u32(sm.X(st));
+    const float* sAS = sm.AS(st);
+    float sa[C::BT / 8][2];
 #pragma unroll
-    for (int i = 0; i < C::MI; ++i) {
-      sa[i][0] = sAS[wm * C::WTM + i * 16 + g];
-      sa[i][1] = sAS[wm * C::WTM + i * 16 + g + 8];
-    }
-    float part[C::MI][C::NI][4];
-#pragma unroll
-    for (int i = 0; i < C::MI; ++i)
-#pragma unroll
-      for (int s = 0; s < C::NI; ++s)
-#pragma unroll
-        for (int v = 0; v < 4; ++v) part[i][s][v] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t af[C::MI][4], bf[C::NI][2];
-#pragma unroll
-      for (int i = 0; i < C::MI; ++i) {
-        const int r = wm * C::WTM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int ch = j * 2 + (lane >> 4);
-        ldmatrix_x4(af[i], sA + r * 128 + ((ch ^ (r & 7)) << 4));
-      }
-#pragma unroll
-      for (int p = 0; p < C::NI / 2; ++p) {
-        const int sub = (lane >> 4) ? 2 * p + 1 : 2 * p;
-        const int n = tile_col<C>(wn, sub) + (lane & 7);
-        const int ch = j * 2 + ((lane >> 3) & 1);
-        uint32_t r4[4];
-        ldmatrix_x4(r4, tileB + n * 128 + ((ch ^ (n & 7)) << 4));
-        bf[2 * p][0] = r4[0], bf[2 * p][1] = r4[1], bf[2 * p + 1][0] = r4[2], bf[2 * p + 1][1] = r4[3];
-      }
-#pragma unroll
-      for (int i = 0; i < C::MI; ++i)
-#pragma unroll
-        for (int s = 0; s < C::NI; ++s) mma_e4m3(part[i][s], af[i], bf[s][0], bf[s][1]);
-      if (MX) {  // group j of this chunk: per-column UE8M0 scale
-        const uint8_t* sc = reinterpret_cast<const uint8_t*>(sB + C::BN * 64);
-#pragma unroll
-        for (int s = 0; s < C::NI; ++s) {
-          const int n = tile_col<C>(wn, s) + 2 * t4;
-          const float w0 = ue8m0_value(sc[n * 4 + j]) * 64.0f, w1 = ue8m0_value(sc[(n + 1) * 4 + j]) * 64.0f;
-#pragma unroll
-          for (int i = 0; i < C::MI; ++i) {
-            acc[i][s][0] += part[i][s][0] * (sa[i][0] * w0);
-            acc[i][s][1] += part[i][s][1] * (sa[i][0] * w1);
-            acc[i][s][2] += part[i][s][2] * (sa[i][1] * w0);
-            acc[i][s][3] += part[i][s][3] * (sa[i][1] * w1);
-#pragma unroll
-            for (int v = 0; v < 4; ++v) part[i][s][v] = 0.0f;
-          }
-        }
-      }
+    for (int c8 = 0; c8 < C::BT / 8; ++c8) {
+      sa[c8][0] = sAS[c8 * 8 + 2 * t4];
+      sa[c8][1] = sAS[c8 * 8 + 2 * t4 + 1];
     }
     if (!MX) {
+      wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < C::NI; ++s) {
-        const float ws = s_ws[(SWIGLU && s >= C::HALF) * kMaxKChunks + kb];
+      for (int j = 0; j < 4; ++j) wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), j);
+      wgmma_commit();
+      wgmma_wait0();
+      fence_regs(part);
+      const float w0 = s_ws[kb], w1 = s_ws[(SWIGLU ? kMaxKChunks : 0) + kb];  // rows rg (gate), rg + 8 (up)
 #pragma unroll
-        for (int i = 0; i < C::MI; ++i) {
-          const float f0 = sa[i][0] * ws, f1 = sa[i][1] * ws;
-          acc[i][s][0] += part[i][s][0] * f0;
-          acc[i][s][1] += part[i][s][1] * f0;
-          acc[i][s][2] += part[i][s][2] * f1;
-          acc[i][s][3] += part[i][s][3] * f1;
+      for (int c8 = 0; c8 < C::BT / 8; ++c8) {
+        acc[4 * c8 + 0] += part[4 * c8 + 0] * (w0 * sa[c8][0]);
+        acc[4 * c8 + 1] += part[4 * c8 + 1] * (w0 * sa[c8][1]);
+        acc[4 * c8 + 2] += part[4 * c8 + 2] * (w1 * sa[c8][0]);
+        acc[4 * c8 + 3] += part[4 * c8 + 3] * (w1 * sa[c8][1]);
+      }
+    } else {
+      const uint8_t* sc = sm.SC(st);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        wgmma_fence();
+        wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), 0);
+        wgmma_commit();
+        wgmma_wait0();
+        fence_regs(part);
+        const float w0 = ue8m0_value(sc[rg * 4 + j]) * 64.0f, w1 = ue8m0_value(sc[(rg + 8) * 4 + j]) * 64.0f;
+#pragma unroll
+        for (int c8 = 0; c8 < C::BT / 8; ++c8) {
+          acc[4 * c8 + 0] += part[4 * c8 + 0] * (w0 * sa[c8][0]);
+          acc[4 * c8 + 1] += part[4 * c8 + 1] * (w0 * sa[c8][1]);
+          acc[4 * c8 + 2] += part[4 * c8 + 2] * (w1 * sa[c8][0]);
+          acc[4 * c8 + 3] += part[4 * c8 + 3] * (w1 * sa[c8][1]);
         }
       }
     }
@@ -289,55 +294,44 @@ template <class C, bool MX, bool SWIGLU>
 __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const GemmArgs args) {
   const int task = blockIdx.y;
   if (task >= *args.ntasks) return;
-  extern __shared__ __align__(128) char smem[];
+  extern __shared__ char smem_raw[];
+  const Smem<C> sm{reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023))};
   const int e = args.tasks[task * 3], r0 = args.tasks[task * 3 + 1], r1 = args.tasks[task * 3 + 2];
-  const int col0 = blockIdx.x * (SWIGLU ? C::BN / 2 : C::BN);
-  int* s_rows = reinterpret_cast<int*>(smem + C::STAGES * C::kStage + C::kB);
-  for (int r = threadIdx.x; r < C::BM; r += C::kThreads) {
+  const int col0 = blockIdx.x * (SWIGLU ? C::IPT : C::ROWS);
+  int* s_rows = sm.rows();
+  for (int r = threadIdx.x; r < C::BT; r += C::kThreads) {
     const int p = r0 + r;
     s_rows[r] = p < r1 ? (args.a_rows != nullptr ? args.a_rows[p] : p) : -1;
   }
   __syncthreads();
 
-  float acc[C::MI][C::NI][4];
+  float acc[C::BT / 2];
 #pragma unroll
-  for (int i = 0; i < C::MI; ++i)
-#pragma unroll
-    for (int s = 0; s < C::NI; ++s)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) acc[i][s][v] = 0.0f;
+  for (int i = 0; i < C::BT / 2; ++i) acc[i] = 0.0f;
   if (e == args.E)
-    gemm_mainloop<C, false, SWIGLU>(args, args.sb0, args.sb1, 0, col0, smem, acc);
+    gemm_mainloop<C, false, SWIGLU>(args, args.sb0, args.sb1, 0, col0, sm, acc);
   else
-    gemm_mainloop<C, MX, SWIGLU>(args, args.b0, args.b1, e, col0, smem, acc);
+    gemm_mainloop<C, MX, SWIGLU>(args, args.b0, args.b1, e, col0, sm, acc);
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int wm = warp / C::WN, wn = warp % C::WN, g = lane >> 2, t4 = lane & 3;
+  const int lane = threadIdx.x % 32, wg = threadIdx.x / 128, wq = (threadIdx.x / 32) % 4;
+  const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
-  for (int i = 0; i < C::MI; ++i)
+  for (int c8 = 0; c8 < C::BT / 8; ++c8)
 #pragma unroll
-    for (int hv = 0; hv < 2; ++hv) {
-      const int p = r0 + wm * C::WTM + i * 16 + g + hv * 8;
+    for (int b = 0; b < 2; ++b) {
+      const int p = r0 + c8 * 8 + 2 * t4 + b;
       if (p >= r1) continue;
       if (SWIGLU) {
-        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(args.out) + static_cast<int64_t>(p) * args.N;
-#pragma unroll
-        for (int s = 0; s < C::HALF; ++s) {
-          const int col = col0 + tile_col<C>(wn, s) + 2 * t4;
-          if (col >= args.N) continue;
-          const float h0 = swiglu_f(acc[i][s][2 * hv], acc[i][s + C::HALF][2 * hv], args.limit);
-          const float h1 = swiglu_f(acc[i][s][2 * hv + 1], acc[i][s + C::HALF][2 * hv + 1], args.limit);
-          *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(h0, h1);
-        }
+        const int i = col0 + wg * 32 + wq * 8 + g;
+        if (i < args.N)
+          static_cast<__nv_bfloat16*>(args.out)[static_cast<int64_t>(p) * args.N + i] =
+              __float2bfloat16_rn(swiglu_f(acc[4 * c8 + b], acc[4 * c8 + 2 + b], args.limit));
       } else {
-        float* out = static_cast<float*>(args.out) + static_cast<int64_t>(p) * args.N;
+        const int n = col0 + wg * 64 + wq * 16 + g;
         const float w = args.row_weight[p];
-#pragma unroll
-        for (int s = 0; s < C::NI; ++s) {
-          const int col = col0 + tile_col<C>(wn, s) + 2 * t4;
-          if (col >= args.N) continue;
-          *reinterpret_cast<float2*>(out + col) = make_float2(acc[i][s][2 * hv] * w, acc[i][s][2 * hv + 1] * w);
-        }
+        float* out = static_cast<float*>(args.out) + static_cast<int64_t>(p) * args.N;
+        if (n < args.N) out[n] = acc[4 * c8 + b] * w;
+        if (n + 8 < args.N) out[n + 8] = acc[4 * c8 + 2 + b] * w;
       }
     }
 }
