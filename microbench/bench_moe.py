@@ -177,17 +177,22 @@ COLS = [("model", "{}"), ("fmt", "{}"), ("T", "{}"), ("us", "{:.1f}"), ("floor_u
 
 
 def main(argv=None):
-    args, ctx = H.start(argv, extra=lambda ap: ap.add_argument("--profile", action="store_true"))
+    def extra(ap):
+        ap.add_argument("--profile", action="store_true", help="kernel times at T = 1 and 4096")
+        ap.add_argument("--models", nargs="*", default=["flash", "pro"])
+        ap.add_argument("--T", nargs="*", type=int, default=None, help="token counts (default: the grid)")
+
+    args, ctx = H.start(argv, extra=extra)
     peak = fp8_peak_tflops()
     ctx.extra["fp8_peak_tflops"] = peak
     print(f"# FP8 dense peak (torch._scaled_mm 8192^3): {peak:.0f} TFLOP/s")
     g = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []
-    Ts = [1, 8, 64, 4096] if args.quick else [1, 8, 32, 64, 128, 512, 4096, 16384]
-    run_model("flash", ["fp8", "mxfp4"], Ts, ctx, peak, g, rows, args.profile)
-    torch.cuda.empty_cache()
-    run_model("pro", ["fp8", "mxfp4"], [1, 64, 4096] if args.quick else [1, 8, 64, 128, 4096, 16384], ctx, peak, g,
-              rows, args.profile)
+    grid = {"flash": [1, 8, 64, 4096] if args.quick else [1, 8, 32, 64, 128, 512, 4096, 16384],
+            "pro": [1, 64, 4096] if args.quick else [1, 8, 64, 128, 4096, 16384]}
+    for name in args.models:
+        run_model(name, ["fp8", "mxfp4"], args.T or grid[name], ctx, peak, g, rows, args.profile)
+        torch.cuda.empty_cache()
     print()
     H.print_table(rows, COLS)
     H.save(args.out, "moe", ctx, rows)

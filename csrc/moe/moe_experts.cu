@@ -28,8 +28,13 @@ constexpr int kPlanThreads = 1024;
 constexpr int kMaxExperts = 2 * kPlanThreads - 1;  // E + 1 scan slots
 constexpr int kSmallPlan = 16384;                    // pairs planned in one CTA
 
-using DecodeCfg = GemmCfg<16, 1, 6>;    // 64 weight rows x 16 tokens
-using PrefillCfg = GemmCfg<128, 2, 4>;  // 128 weight rows x 128 tokens
+// decode: 64 weight rows x 16 tokens, all CTAs of a T = 1 step resident at once;
+// prefill: 128 weight rows x 128 tokens
+template <bool MX>
+using DecodeCfg = GemmCfg<16, 1, 4, MX>;
+template <bool MX>
+using PrefillCfg = GemmCfg<128, 2, 4, MX>;
+constexpr int kDecodeBT = 16, kPrefillBT = 128;
 
 struct PlanArgs {
   const void* ids;
@@ -190,7 +195,7 @@ struct Workspace {
 
 int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
-int plan_bm(const MoeProblem& p) { return p.T <= 256 ? DecodeCfg::BT : PrefillCfg::BT; }
+int plan_bm(const MoeProblem& p) { return p.T <= 256 ? kDecodeBT : kPrefillBT; }
 
 Workspace carve(const MoeProblem& p, void* base) {
   const int ktot = p.k + (p.has_shared ? 1 : 0), nexp = p.E + (p.has_shared ? 1 : 0);
@@ -235,7 +240,7 @@ void launch_gemm(const GemmArgs& args, int n_tiles, int64_t U, cudaStream_t stre
   check_launch("moe_gemm_kernel");
 }
 
-template <class C>
+template <template <bool> class Cfg>
 void run_gemms(const MoeProblem& p, const Workspace& w, int64_t U, int64_t P, cudaStream_t stream) {
   auto op = [](const ExpertWeight& x) {
     return GemmOperand{static_cast<const uint8_t*>(x.w), x.scale, x.scale_u8};
@@ -246,11 +251,11 @@ void run_gemms(const MoeProblem& p, const Workspace& w, int64_t U, int64_t P, cu
   g1.K = p.d, g1.N = p.inter, g1.E = p.E;
   g1.b0 = op(p.w1), g1.b1 = op(p.w3), g1.sb0 = op(p.sw1), g1.sb1 = op(p.sw3);
   g1.tasks = w.tasks, g1.ntasks = w.ntasks, g1.out = w.h, g1.limit = p.limit;
-  const int n1 = ceil_div(p.inter, C::IPT);
+  const int n1 = ceil_div(p.inter, Cfg<false>::IPT);
   if (mx)
-    launch_gemm<C, true, true>(g1, n1, U, stream);
+    launch_gemm<Cfg<true>, true, true>(g1, n1, U, stream);
   else
-    launch_gemm<C, false, true>(g1, n1, U, stream);
+    launch_gemm<Cfg<false>, false, true>(g1, n1, U, stream);
 
   fp8_group_cast(w.h, true, w.hq, w.hs, ScaleKind::kFp32, P, p.inter, p.inter, 128, 0, stream);
 
@@ -259,11 +264,11 @@ void run_gemms(const MoeProblem& p, const Workspace& w, int64_t U, int64_t P, cu
   g2.K = p.inter, g2.N = p.d, g2.E = p.E;
   g2.b0 = op(p.w2), g2.b1 = op(p.w2), g2.sb0 = op(p.sw2), g2.sb1 = op(p.sw2);
   g2.tasks = w.tasks, g2.ntasks = w.ntasks, g2.out = w.Y, g2.row_weight = w.wrow;
-  const int n2 = ceil_div(p.d, C::ROWS);
+  const int n2 = ceil_div(p.d, Cfg<false>::ROWS);
   if (mx)
-    launch_gemm<C, true, false>(g2, n2, U, stream);
+    launch_gemm<Cfg<true>, true, false>(g2, n2, U, stream);
   else
-    launch_gemm<C, false, false>(g2, n2, U, stream);
+    launch_gemm<Cfg<false>, false, false>(g2, n2, U, stream);
 }
 
 }  // namespace
@@ -298,7 +303,7 @@ void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* id
   }
   fp8_group_cast(x, x_bf16, w.xq, w.xs, ScaleKind::kFp32, p.T, p.d, p.d, 128, 0, stream);
 
-  if (BM == DecodeCfg::BT)
+  if (BM == kDecodeBT)
     run_gemms<DecodeCfg>(p, w, U, P, stream);
   else
     run_gemms<PrefillCfg>(p, w, U, P, stream);

@@ -100,9 +100,10 @@ __device__ __forceinline__ uint2 e2m1x8_to_e4m3(uint32_t x) {
   return make_uint2(__byte_perm(lo, hi, 0x5140), __byte_perm(lo, hi, 0x7362));
 }
 
-template <int BT_, int WG_, int STAGES_>
-struct GemmCfg {
+template <int BT_, int WG_, int STAGES_, bool MXL_>
+struct GemmCfg {  // MXL: the shared-memory layout has the mxfp4 staging areas
   static constexpr int BT = BT_, WG = WG_, STAGES = STAGES_;
+  static constexpr bool MXL = MXL_;
   static constexpr int kThreads = WG * 128;
   static constexpr int ROWS = 64 * WG;  // weight rows per CTA
   static constexpr int IPT = 32 * WG;   // SwiGLU: intermediate columns per CTA
@@ -112,7 +113,7 @@ struct GemmCfg {
   // packed weights and group scales; then the rows and the fp8 block scales.
   static constexpr int kW = ROWS * 128, kX = BT * 128, kStage = kW + kX;
   static constexpr int kAS = BT * 4, kPK = ROWS * 64, kSC = ROWS * 4;
-  static constexpr int kAux = kAS + kPK + kSC;
+  static constexpr int kAux = kAS + (MXL ? kPK + kSC : 0);
   static constexpr int kSmem = 1024 + STAGES * (kStage + kAux) + BT * 4 + 2 * kMaxKChunks * 4;
 };
 
@@ -144,7 +145,7 @@ __device__ __forceinline__ int weight_row(int R, int col0, bool& up) {
 template <class C, bool MX, bool SWIGLU>
 __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOperand& b0, const GemmOperand& b1,
                                               int e, int col0, const Smem<C>& sm, float (&acc)[C::BT / 2]) {
-  constexpr int R = C::BT / 2;
+  static_assert(!MX || C::MXL, "the mxfp4 path needs the mxfp4 shared-memory layout");
   const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, wq = (tid / 32) % 4;
   const int K = args.K, N = args.N, KB = (K + 127) / 128;
   const int64_t kbytes = MX ? K / 2 : K;
@@ -207,21 +208,26 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
     }
   };
 
+  // K is walked from a start that depends on the n-tile and the expert (never on the task, so
+  // a row's summation order does not depend on the plan): CTAs in flight together then read
+  // different columns of their rows instead of all hitting the same DRAM channels.
+  const int rot = (blockIdx.x * 5 + e * 11) % KB;
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
-    if (s < KB) load(s, s);
+    if (s < KB) load(s, (s + rot) % KB);
     cp_async_commit();
   }
   const int g = lane >> 2, t4 = lane & 3;
   const int rg = wg * 64 + wq * 16 + g;  // this thread's tile rows rg, rg + 8
   float part[R];
-  for (int kb = 0; kb < KB; ++kb) {
+  for (int it = 0; it < KB; ++it) {
+    const int kb = (it + rot) % KB;
     cp_async_wait<C::STAGES - 2>();
     fence_proxy_async();
     __syncthreads();
-    if (kb + C::STAGES - 1 < KB) load((kb + C::STAGES - 1) % C::STAGES, kb + C::STAGES - 1);
+    if (it + C::STAGES - 1 < KB) load((it + C::STAGES - 1) % C::STAGES, (it + C::STAGES - 1 + rot) % KB);
     cp_async_commit();
-    const int st = kb % C::STAGES;
+    const int st = it % C::STAGES;
     if (MX) {  // packed e2m1 -> swizzled e4m3 tile
       const uint8_t* pk = sm.PK(st);
       char* sW = sm.W(st);
