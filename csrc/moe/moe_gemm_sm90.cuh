@@ -146,6 +146,7 @@ template <class C, bool MX, bool SWIGLU>
 __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOperand& b0, const GemmOperand& b1,
                                               int e, int col0, const Smem<C>& sm, float (&acc)[C::BT / 2]) {
   static_assert(!MX || C::MXL, "the mxfp4 path needs the mxfp4 shared-memory layout");
+  constexpr int R = C::BT / 2;
   const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, wq = (tid / 32) % 4;
   const int K = args.K, N = args.N, KB = (K + 127) / 128;
   const int64_t kbytes = MX ? K / 2 : K;
