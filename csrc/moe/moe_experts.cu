@@ -28,10 +28,11 @@ constexpr int kPlanThreads = 1024;
 constexpr int kMaxExperts = 2 * kPlanThreads - 1;  // E + 1 scan slots
 constexpr int kSmallPlan = 16384;                    // pairs planned in one CTA
 
-// decode: 64 weight rows x 16 tokens, all CTAs of a T = 1 step resident at once;
+// decode: 64 weight rows x 16 tokens, stages of 256 K (256-byte runs per weight row), all
+// CTAs of a T = 1 step resident at once;
 // prefill: 128 weight rows x 128 tokens
 template <bool MX>
-using DecodeCfg = GemmCfg<16, 1, 4, MX>;
+using DecodeCfg = GemmCfg<16, 1, 3, MX, 2>;
 template <bool MX>
 using PrefillCfg = GemmCfg<128, 2, 4, MX>;
 constexpr int kDecodeBT = 16, kPrefillBT = 128;

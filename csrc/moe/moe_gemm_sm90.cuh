@@ -100,9 +100,9 @@ __device__ __forceinline__ uint2 e2m1x8_to_e4m3(uint32_t x) {
   return make_uint2(__byte_perm(lo, hi, 0x5140), __byte_perm(lo, hi, 0x7362));
 }
 
-template <int BT_, int WG_, int STAGES_, bool MXL_>
-struct GemmCfg {  // MXL: the shared-memory layout has the mxfp4 staging areas
-  static constexpr int BT = BT_, WG = WG_, STAGES = STAGES_;
+template <int BT_, int WG_, int STAGES_, bool MXL_, int KCH_ = 1>
+struct GemmCfg {  // MXL: the shared-memory layout has the mxfp4 staging areas; KCH: 128-K chunks per stage
+  static constexpr int BT = BT_, WG = WG_, STAGES = STAGES_, KCH = KCH_;
   static constexpr bool MXL = MXL_;
   static constexpr int kThreads = WG * 128;
   static constexpr int ROWS = 64 * WG;  // weight rows per CTA
@@ -111,8 +111,9 @@ struct GemmCfg {  // MXL: the shared-memory layout has the mxfp4 staging areas
   static_assert(128 % ROWS == 0 || ROWS == 128, "a tile stays inside one 128-row scale block");
   // per stage, 1024-aligned: weight tile, token tile; then per stage: token scales, mxfp4
   // packed weights and group scales; then the rows and the fp8 block scales.
-  static constexpr int kW = ROWS * 128, kX = BT * 128, kStage = kW + kX;
-  static constexpr int kAS = BT * 4, kPK = ROWS * 64, kSC = ROWS * 4;
+  static constexpr int kW1 = ROWS * 128, kX1 = BT * 128;  // one 128-K chunk
+  static constexpr int kW = KCH * kW1, kX = KCH * kX1, kStage = kW + kX;
+  static constexpr int kAS = KCH * BT * 4, kPK = KCH * ROWS * 64, kSC = KCH * ROWS * 4;
   static constexpr int kAux = kAS + (MXL ? kPK + kSC : 0);
   static constexpr int kSmem = 1024 + STAGES * (kStage + kAux) + BT * 4 + 2 * kMaxKChunks * 4;
 };
@@ -164,124 +165,138 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
     }
   }
 
-  auto load = [&](int st, int kb) {
-    char* sW = sm.W(st);
-    char* sX = sm.X(st);
-    for (int c = tid; c < C::BT * 8; c += C::kThreads) {
-      const int r = c >> 3, ch = c & 7, row = s_rows[r];
-      const int kbyte = kb * 128 + ch * 16;
-      const bool ok = row >= 0 && kbyte < K;
-      cp_async16(sX + r * 128 + ((ch ^ (r & 7)) << 4), ok ? args.a + static_cast<int64_t>(row) * K + kbyte : args.a, ok);
-    }
-    for (int r = tid; r < C::BT; r += C::kThreads) {
-      const int row = s_rows[r];
-      cp_async4(sm.AS(st) + r, row >= 0 ? args.a_scale + static_cast<int64_t>(row) * KB + kb : args.a_scale, row >= 0);
-    }
-    if (!MX) {
-      for (int c = tid; c < C::ROWS * 8; c += C::kThreads) {
-        const int r = c >> 3, ch = c & 7;
-        bool up;
-        const int wr = weight_row<C, SWIGLU>(r, col0, up);
-        const uint8_t* base = up ? b1.w : b0.w;
+  // stage st holds chunks kb0 .. kb0 + KCH - 1 (each a swizzled [ROWS x 128] / [BT x 128] tile)
+  auto load = [&](int st, int kb0) {
+#pragma unroll
+    for (int c = 0; c < C::KCH; ++c) {
+      const int kb = kb0 + c;
+      const bool kin = kb < KB;
+      char* sW = sm.W(st) + c * C::kW1;
+      char* sX = sm.X(st) + c * C::kX1;
+      for (int q = tid; q < C::BT * 8; q += C::kThreads) {
+        const int r = q >> 3, ch = q & 7, row = s_rows[r];
         const int kbyte = kb * 128 + ch * 16;
-        const bool ok = wr < N && kbyte < K;
-        const uint8_t* src = base + (static_cast<int64_t>(e) * N + wr) * kbytes + kbyte;
-        cp_async16(sW + r * 128 + ((ch ^ (r & 7)) << 4), ok ? src : base, ok);
+        const bool ok = row >= 0 && kbyte < K;
+        cp_async16(sX + r * 128 + ((ch ^ (r & 7)) << 4), ok ? args.a + static_cast<int64_t>(row) * K + kbyte : args.a,
+                   ok);
       }
-    } else {
-      uint8_t* pk = sm.PK(st);
-      for (int c = tid; c < C::ROWS * 4; c += C::kThreads) {
-        const int r = c >> 2, ch = c & 3;
-        bool up;
-        const int wr = weight_row<C, SWIGLU>(r, col0, up);
-        const uint8_t* base = up ? b1.w : b0.w;
-        const bool ok = wr < N;
-        const uint8_t* src = base + (static_cast<int64_t>(e) * N + wr) * kbytes + kb * 64 + ch * 16;
-        cp_async16(pk + r * 64 + ch * 16, ok ? src : base, ok);
+      for (int r = tid; r < C::BT; r += C::kThreads) {
+        const int row = s_rows[r];
+        const bool ok = row >= 0 && kin;
+        cp_async4(sm.AS(st) + c * C::BT + r, ok ? args.a_scale + static_cast<int64_t>(row) * KB + kb : args.a_scale, ok);
       }
-      for (int r = tid; r < C::ROWS; r += C::kThreads) {
-        bool up;
-        const int wr = weight_row<C, SWIGLU>(r, col0, up);
-        const uint8_t* sc = static_cast<const uint8_t*>(up ? b1.scale : b0.scale);
-        const bool ok = wr < N;
-        cp_async4(sm.SC(st) + r * 4, ok ? sc + (static_cast<int64_t>(e) * N + wr) * (K / 32) + kb * 4 : sc, ok);
+      if (!MX) {
+        for (int q = tid; q < C::ROWS * 8; q += C::kThreads) {
+          const int r = q >> 3, ch = q & 7;
+          bool up;
+          const int wr = weight_row<C, SWIGLU>(r, col0, up);
+          const uint8_t* base = up ? b1.w : b0.w;
+          const int kbyte = kb * 128 + ch * 16;
+          const bool ok = wr < N && kbyte < K;
+          const uint8_t* src = base + (static_cast<int64_t>(e) * N + wr) * kbytes + kbyte;
+          cp_async16(sW + r * 128 + ((ch ^ (r & 7)) << 4), ok ? src : base, ok);
+        }
+      } else {
+        uint8_t* pk = sm.PK(st) + c * C::ROWS * 64;
+        for (int q = tid; q < C::ROWS * 4; q += C::kThreads) {
+          const int r = q >> 2, ch = q & 3;
+          bool up;
+          const int wr = weight_row<C, SWIGLU>(r, col0, up);
+          const uint8_t* base = up ? b1.w : b0.w;
+          const bool ok = wr < N && kin;
+          const uint8_t* src = base + (static_cast<int64_t>(e) * N + wr) * kbytes + kb * 64 + ch * 16;
+          cp_async16(pk + r * 64 + ch * 16, ok ? src : base, ok);
+        }
+        for (int r = tid; r < C::ROWS; r += C::kThreads) {
+          bool up;
+          const int wr = weight_row<C, SWIGLU>(r, col0, up);
+          const uint8_t* sc = static_cast<const uint8_t*>(up ? b1.scale : b0.scale);
+          const bool ok = wr < N && kin;
+          cp_async4(sm.SC(st) + (c * C::ROWS + r) * 4,
+                    ok ? sc + (static_cast<int64_t>(e) * N + wr) * (K / 32) + kb * 4 : sc, ok);
+        }
       }
     }
   };
 
-  // K is walked from a start that depends on the n-tile and the expert (never on the task, so
-  // a row's summation order does not depend on the plan): CTAs in flight together then read
-  // different columns of their rows instead of all hitting the same DRAM channels.
-  const int rot = (blockIdx.x * 5 + e * 11) % KB;
+  // Stages are walked from a start that depends on the n-tile and the expert (never on the
+  // task, so a row's summation order does not depend on the plan): CTAs in flight together
+  // then read different columns of their rows instead of all hitting the same DRAM channels.
+  const int NS = (KB + C::KCH - 1) / C::KCH;
+  const int rot = (blockIdx.x * 5 + e * 11) % NS;
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
-    if (s < KB) load(s, (s + rot) % KB);
+    if (s < NS) load(s, ((s + rot) % NS) * C::KCH);
     cp_async_commit();
   }
   const int g = lane >> 2, t4 = lane & 3;
   const int rg = wg * 64 + wq * 16 + g;  // this thread's tile rows rg, rg + 8
   float part[R];
-  for (int it = 0; it < KB; ++it) {
-    const int kb = (it + rot) % KB;
+  for (int it = 0; it < NS; ++it) {
+    const int kb0 = ((it + rot) % NS) * C::KCH;
     cp_async_wait<C::STAGES - 2>();
     fence_proxy_async();
     __syncthreads();
-    if (it + C::STAGES - 1 < KB) load((it + C::STAGES - 1) % C::STAGES, (it + C::STAGES - 1 + rot) % KB);
+    if (it + C::STAGES - 1 < NS) load((it + C::STAGES - 1) % C::STAGES, ((it + C::STAGES - 1 + rot) % NS) * C::KCH);
     cp_async_commit();
     const int st = it % C::STAGES;
-    if (MX) {  // packed e2m1 -> swizzled e4m3 tile
-      const uint8_t* pk = sm.PK(st);
-      char* sW = sm.W(st);
-      for (int c = tid; c < C::ROWS * 4; c += C::kThreads) {
-        const int n = c >> 2, q = c & 3;
-        const uint4 v = *reinterpret_cast<const uint4*>(pk + n * 64 + q * 16);
+    if (MX) {  // packed e2m1 -> swizzled e4m3 tiles
+      for (int q = tid; q < C::KCH * C::ROWS * 4; q += C::kThreads) {
+        const int c = q / (C::ROWS * 4), n = (q >> 2) % C::ROWS, qq = q & 3;
+        const uint4 v = *reinterpret_cast<const uint4*>(sm.PK(st) + (c * C::ROWS + n) * 64 + qq * 16);
+        char* sW = sm.W(st) + c * C::kW1;
         const uint2 o0 = e2m1x8_to_e4m3(v.x), o1 = e2m1x8_to_e4m3(v.y);
         const uint2 o2 = e2m1x8_to_e4m3(v.z), o3 = e2m1x8_to_e4m3(v.w);
-        *reinterpret_cast<uint4*>(sW + n * 128 + (((2 * q) ^ (n & 7)) << 4)) = make_uint4(o0.x, o0.y, o1.x, o1.y);
-        *reinterpret_cast<uint4*>(sW + n * 128 + (((2 * q + 1) ^ (n & 7)) << 4)) = make_uint4(o2.x, o2.y, o3.x, o3.y);
+        *reinterpret_cast<uint4*>(sW + n * 128 + (((2 * qq) ^ (n & 7)) << 4)) = make_uint4(o0.x, o0.y, o1.x, o1.y);
+        *reinterpret_cast<uint4*>(sW + n * 128 + (((2 * qq + 1) ^ (n & 7)) << 4)) = make_uint4(o2.x, o2.y, o3.x, o3.y);
       }
       fence_proxy_async();
       __syncthreads();
     }
-    const uint32_t wa = smem_u32(sm.W(st)) + wg * 64 * 128, xa = smem_u32(sm.X(st));
-    const float* sAS = sm.AS(st);
-    float sa[C::BT / 8][2];
 #pragma unroll
-    for (int c8 = 0; c8 < C::BT / 8; ++c8) {
-      sa[c8][0] = sAS[c8 * 8 + 2 * t4];
-      sa[c8][1] = sAS[c8 * 8 + 2 * t4 + 1];
-    }
-    if (!MX) {
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), j);
-      wgmma_commit();
-      wgmma_wait0();
-      fence_regs(part);
-      const float w0 = s_ws[kb], w1 = s_ws[(SWIGLU ? kMaxKChunks : 0) + kb];  // rows rg (gate), rg + 8 (up)
+    for (int c = 0; c < C::KCH; ++c) {
+      const int kb = kb0 + c;
+      if (kb >= KB) break;
+      const uint32_t wa = smem_u32(sm.W(st) + c * C::kW1) + wg * 64 * 128, xa = smem_u32(sm.X(st) + c * C::kX1);
+      const float* sAS = sm.AS(st) + c * C::BT;
+      float sa[C::BT / 8][2];
 #pragma unroll
       for (int c8 = 0; c8 < C::BT / 8; ++c8) {
-        acc[4 * c8 + 0] += part[4 * c8 + 0] * (w0 * sa[c8][0]);
-        acc[4 * c8 + 1] += part[4 * c8 + 1] * (w0 * sa[c8][1]);
-        acc[4 * c8 + 2] += part[4 * c8 + 2] * (w1 * sa[c8][0]);
-        acc[4 * c8 + 3] += part[4 * c8 + 3] * (w1 * sa[c8][1]);
+        sa[c8][0] = sAS[c8 * 8 + 2 * t4];
+        sa[c8][1] = sAS[c8 * 8 + 2 * t4 + 1];
       }
-    } else {
-      const uint8_t* sc = sm.SC(st);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      if (!MX) {
         wgmma_fence();
-        wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), 0);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), j);
         wgmma_commit();
         wgmma_wait0();
         fence_regs(part);
-        const float w0 = ue8m0_value(sc[rg * 4 + j]) * 64.0f, w1 = ue8m0_value(sc[(rg + 8) * 4 + j]) * 64.0f;
+        const float w0 = s_ws[kb], w1 = s_ws[(SWIGLU ? kMaxKChunks : 0) + kb];  // rows rg (gate), rg + 8 (up)
 #pragma unroll
         for (int c8 = 0; c8 < C::BT / 8; ++c8) {
           acc[4 * c8 + 0] += part[4 * c8 + 0] * (w0 * sa[c8][0]);
           acc[4 * c8 + 1] += part[4 * c8 + 1] * (w0 * sa[c8][1]);
           acc[4 * c8 + 2] += part[4 * c8 + 2] * (w1 * sa[c8][0]);
           acc[4 * c8 + 3] += part[4 * c8 + 3] * (w1 * sa[c8][1]);
+        }
+      } else {
+        const uint8_t* sc = sm.SC(st) + c * C::ROWS * 4;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          wgmma_fence();
+          wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), 0);
+          wgmma_commit();
+          wgmma_wait0();
+          fence_regs(part);
+          const float w0 = ue8m0_value(sc[rg * 4 + j]) * 64.0f, w1 = ue8m0_value(sc[(rg + 8) * 4 + j]) * 64.0f;
+#pragma unroll
+          for (int c8 = 0; c8 < C::BT / 8; ++c8) {
+            acc[4 * c8 + 0] += part[4 * c8 + 0] * (w0 * sa[c8][0]);
+            acc[4 * c8 + 1] += part[4 * c8 + 1] * (w0 * sa[c8][1]);
+            acc[4 * c8 + 2] += part[4 * c8 + 2] * (w1 * sa[c8][0]);
+            acc[4 * c8 + 3] += part[4 * c8 + 3] * (w1 * sa[c8][1]);
+          }
         }
       }
     }
