@@ -11,6 +11,7 @@
 #include "cast/block_cast.h"
 #include "cast/cast.h"
 #include "common/cuda_utils.h"
+#include "gemm/fp8_linear.h"
 #include "kvcache/kvcache.h"
 #include "moe/moe.h"
 #include "topk/topk.h"
@@ -58,6 +59,20 @@ std::vector<std::string> built_archs() {
     a = b + 1;
   }
   return out;
+}
+
+// linear problem = (M, K, N, mxfp4, w, scale, scale_u8)
+deepfuse::LinearProblem linear_problem(const py::tuple& t) {
+  if (t.size() != 7) throw std::invalid_argument("deepfuse: fp8_linear: problem needs 7 fields");
+  deepfuse::LinearProblem p;
+  p.M = t[0].cast<int64_t>();
+  p.K = t[1].cast<int>();
+  p.N = t[2].cast<int>();
+  p.mxfp4 = t[3].cast<bool>();
+  p.w = P<const void>(t[4].cast<ptr_t>());
+  p.scale = P<const void>(t[5].cast<ptr_t>());
+  p.scale_u8 = t[6].cast<bool>();
+  return p;
 }
 
 // problem = (T, d, inter, E, k, fmt, limit, (w1, s1, u8), (w3, s3, u8), (w2, s2, u8), shared),
@@ -293,4 +308,18 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("problem"), py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_is64"), py::arg("weights"),
       py::arg("out"), py::arg("workspace"), py::arg("stream"), py::arg("device") = -1);
+  m.def(
+      "fp8_linear_workspace_bytes",
+      [](py::tuple problem) { return deepfuse::fp8_linear_workspace_bytes(linear_problem(problem)); },
+      py::arg("problem"));
+  m.def(
+      "fp8_linear",
+      [](py::tuple problem, ptr_t x, bool x_bf16, ptr_t out, bool out_bf16, ptr_t workspace, ptr_t stream,
+         int device) {
+        DeviceGuard guard(device);
+        deepfuse::fp8_linear(linear_problem(problem), P<const void>(x), x_bf16, P(out), out_bf16, P(workspace),
+                             deepfuse::as_stream(stream));
+      },
+      py::arg("problem"), py::arg("x"), py::arg("x_bf16"), py::arg("out"), py::arg("out_bf16"), py::arg("workspace"),
+      py::arg("stream"), py::arg("device") = -1);
 }

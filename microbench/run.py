@@ -13,6 +13,7 @@ BENCHES = [
     "bench_kvcache",
     "bench_attention",
     "bench_moe",
+    "bench_linear",
 ]
 
 

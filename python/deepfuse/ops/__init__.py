@@ -24,7 +24,7 @@ from deepfuse.ops.kvcache import (
 from deepfuse.ops.attention import sparse_attention, sparse_attention_paged
 from deepfuse.ops.compressor import compress_pool
 from deepfuse.ops.indexer import indexer_scores
-from deepfuse.ops.linear import grouped_linear, mxfp4_cast, mxfp4_dequant, quant_linear
+from deepfuse.ops.linear import grouped_linear, mxfp4_cast, mxfp4_dequant, quant_linear, set_activation_quant
 from deepfuse.ops.mhc import hc_head, hc_post, hc_pre
 from deepfuse.ops.moe import moe_experts, moe_route, swiglu
 from deepfuse.ops.norm import rms_norm
@@ -58,6 +58,7 @@ __all__ = [
     "indexer_scores",
     "compress_pool",
     "quant_linear",
+    "set_activation_quant",
     "grouped_linear",
     "mxfp4_cast",
     "mxfp4_dequant",

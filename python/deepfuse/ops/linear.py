@@ -8,12 +8,23 @@ Weight formats (fmt):
 Semantics (the references define them): y = x @ W^T in fp32 with the weight dequantised
 exactly, cast to x.dtype. Activations are not quantised (the transformers oracle does the
 same when it dequantises; DeepSeek's reference quantises activations to FP8 per 128).
+
+CUDA: the kernels quantise activations to FP8 e4m3 per token per 128 (fp32 scales), as
+DeepSeek's reference does, and run FP8 MMAs: M <= 64 streams the weight through the grouped
+GEMM kernel (csrc/gemm), larger M (fp8 weights, K % 128 == 0) goes to cuBLASLt through
+torch._scaled_mm with DeepSeek's block scales, mxfp4 always to our kernel.
+`set_activation_quant(False)` (or DEEPFUSE_ACT_QUANT=0) makes quant_linear and moe_experts
+run their references on the GPU too (exact dequantised weights, no activation rounding), for
+oracle comparisons.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
+
+from deepfuse import _ext
 
 from deepfuse.ops._checks import check_choice, check_tensor
 from deepfuse.ops._registry import op
@@ -65,6 +76,18 @@ def dequant_weight(w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str, dty
     return w.to(dtype)
 
 
+_ACT_QUANT = [os.environ.get("DEEPFUSE_ACT_QUANT", "1") != "0"]
+
+
+def set_activation_quant(enabled: bool) -> None:
+    """FP8 activation quantisation in the GPU kernels (on by default); off: references."""
+    _ACT_QUANT[0] = bool(enabled)
+
+
+def activation_quant() -> bool:
+    return _ACT_QUANT[0]
+
+
 # ----------------------------------------------------------------------------- references
 def quant_linear_ref(x, w, scale, fmt: str):
     return torch.nn.functional.linear(x.float(), dequant_weight(w, scale, fmt)).to(x.dtype)
@@ -76,10 +99,55 @@ def grouped_linear_ref(x, w, scale, fmt: str):
     return torch.einsum("...gk,grk->...gr", x.float(), wd).to(x.dtype).contiguous()
 
 
-# no kernel yet for the two ops below: the op's body (the reference) also serves CUDA tensors.
 @op("quant_linear")
 def _quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     return quant_linear_ref(x, w, scale, fmt)
+
+
+SMALL_M = 64  # rows up to which our weight-streaming kernel beats cuBLASLt (anchors-v4.md)
+
+
+def linear_kernel_supports(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: str) -> bool:
+    K = x.shape[-1]
+    if not (_ext.has_cuda_kernels() and activation_quant()) or x.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if K % 32 or K > 16384 or not w.is_contiguous() or not scale.is_contiguous():
+        return False
+    return fmt == "fp8" or (K % 128 == 0 and scale.dtype == torch.uint8)
+
+
+def _scaled_mm_fp8(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype) -> torch.Tensor:
+    """cuBLASLt with DeepSeek block scales: 1 x 128 activation scales (outer-dim-major) and the
+    128 x 128 weight scales repeated over their rows as [K/128, N]."""
+    from deepfuse.ops.cast import fp8_per_token_cast
+
+    N = w.shape[0]
+    q, s = fp8_per_token_cast(x2, 128)
+    sa = s.t().contiguous().t()
+    sb = _scale_values(scale).repeat_interleave(FP8_BLOCK, 0)[:N].t().contiguous()
+    return torch._scaled_mm(q, w.t(), sa, sb, out_dtype=out_dtype)
+
+
+@_quant_linear.register_kernel("cuda")
+def _(x, w, scale, fmt):
+    if not linear_kernel_supports(x, w, scale, fmt):
+        return quant_linear_ref(x, w, scale, fmt)
+    K, N = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    if fmt == "fp8" and M > SMALL_M and K % 128 == 0 and x.dtype == torch.bfloat16:
+        try:
+            return _scaled_mm_fp8(x2, w, scale, x.dtype).view(*x.shape[:-1], N)
+        except RuntimeError:  # a cuBLASLt without block scales: our kernel below
+            pass
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        C = _ext.ext(x.device)
+        problem = (M, K, N, fmt == "mxfp4", w.data_ptr(), scale.data_ptr(), scale.dtype == torch.uint8)
+        work = torch.empty(C.fp8_linear_workspace_bytes(problem), dtype=torch.uint8, device=x.device)
+        C.fp8_linear(problem, x2.data_ptr(), x2.dtype == torch.bfloat16, out.data_ptr(), out.dtype == torch.bfloat16,
+                     work.data_ptr(), _ext.stream(x.device))
+    return out.view(*x.shape[:-1], N)
 
 
 @_quant_linear.register_fake
@@ -87,6 +155,7 @@ def _(x, w, scale, fmt):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
+# no kernel yet: the op's body (the reference) also serves CUDA tensors.
 @op("grouped_linear")
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> torch.Tensor:
     return grouped_linear_ref(x, w, scale, fmt)

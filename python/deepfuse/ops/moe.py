@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from deepfuse import _ext
 from deepfuse.ops._checks import check_choice, check_int, check_tensor
 from deepfuse.ops._registry import op
-from deepfuse.ops.linear import check_weight, dequant_weight
+from deepfuse.ops.linear import activation_quant, check_weight, dequant_weight
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -173,6 +173,8 @@ def kernel_supports(x, w1, s1, s3, s2, fmt: str) -> bool:
     T, d = x.shape
     E, I = w1.shape[0], w1.shape[1]
     if fmt not in ("fp8", "mxfp4") or x.dtype not in (torch.bfloat16, torch.float32) or not _ext.has_cuda_kernels():
+        return False
+    if not activation_quant():
         return False
     if d % 32 or I % 32 or d > 8192 or I > 8192 or E > 2046:
         return False

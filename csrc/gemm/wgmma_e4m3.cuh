@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-namespace deepfuse::moe {
+namespace deepfuse::gemm {
 
 __device__ __forceinline__ void wgmma_m64n16k32(float (&d)[8], uint64_t da, uint64_t db, int scale_d) {
   asm volatile(
@@ -37,4 +37,4 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t da, ui
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
-}  // namespace deepfuse::moe
+}  // namespace deepfuse::gemm

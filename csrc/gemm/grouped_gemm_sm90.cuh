@@ -24,9 +24,9 @@
 
 #include <cstdint>
 
-#include "moe/wgmma_e4m3.cuh"
+#include "gemm/wgmma_e4m3.cuh"
 
-namespace deepfuse::moe {
+namespace deepfuse::gemm {
 
 struct GemmOperand {        // one expert-stacked projection
   const uint8_t* w;         // [E, N, Kb]
@@ -41,14 +41,17 @@ struct GemmArgs {
   int K, N, E;
   GemmOperand b0, b1;       // routed: w1 / w3 (SWIGLU) or w2
   GemmOperand sb0, sb1;     // shared expert (task expert == E), always fp8
-  const int* tasks;         // [U, 3]: expert, first row, end row (positions)
+  const int* tasks;         // [U, 3]: expert, first row, end row (positions); null: a dense
+                            // linear (expert 0, rows blockIdx.y * BT .., M of them)
   const int* ntasks;
-  void* out;                // SWIGLU: bf16 [P, N]; plain: fp32 [P, N]
-  const float* row_weight;  // plain: [P]
+  int M;                    // rows of a dense linear
+  void* out;                // SWIGLU: bf16 [P, N]; plain: fp32 [P, N] (bf16 if out_bf16)
+  bool out_bf16;
+  const float* row_weight;  // plain: [P] or null (1)
   float limit;
 };
 
-constexpr int kMaxKChunks = 64;  // K <= 8192
+constexpr int kMaxKChunks = 128;  // K <= 16384
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -313,12 +316,15 @@ __device__ __forceinline__ float swiglu_f(float gt, float up, float limit) {
 }
 
 template <class C, bool MX, bool SWIGLU>
-__global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const GemmArgs args) {
+__global__ void __launch_bounds__(C::kThreads) grouped_gemm_kernel(const GemmArgs args) {
   const int task = blockIdx.y;
-  if (task >= *args.ntasks) return;
+  int e = 0, r0 = task * C::BT, r1 = min(args.M, r0 + C::BT);
+  if (args.tasks != nullptr) {
+    if (task >= *args.ntasks) return;
+    e = args.tasks[task * 3], r0 = args.tasks[task * 3 + 1], r1 = args.tasks[task * 3 + 2];
+  }
   extern __shared__ char smem_raw[];
   const Smem<C> sm{reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023))};
-  const int e = args.tasks[task * 3], r0 = args.tasks[task * 3 + 1], r1 = args.tasks[task * 3 + 2];
   const int col0 = blockIdx.x * (SWIGLU ? C::IPT : C::ROWS);
   int* s_rows = sm.rows();
   for (int r = threadIdx.x; r < C::BT; r += C::kThreads) {
@@ -350,12 +356,19 @@ __global__ void __launch_bounds__(C::kThreads) moe_gemm_kernel(const GemmArgs ar
               __float2bfloat16_rn(swiglu_f(acc[4 * c8 + b], acc[4 * c8 + 2 + b], args.limit));
       } else {
         const int n = col0 + wg * 64 + wq * 16 + g;
-        const float w = args.row_weight[p];
-        float* out = static_cast<float*>(args.out) + static_cast<int64_t>(p) * args.N;
-        if (n < args.N) out[n] = acc[4 * c8 + b] * w;
-        if (n + 8 < args.N) out[n + 8] = acc[4 * c8 + 2 + b] * w;
+        const float w = args.row_weight != nullptr ? args.row_weight[p] : 1.0f;
+        const int64_t o = static_cast<int64_t>(p) * args.N;
+        if (args.out_bf16) {
+          __nv_bfloat16* out = static_cast<__nv_bfloat16*>(args.out) + o;
+          if (n < args.N) out[n] = __float2bfloat16_rn(acc[4 * c8 + b] * w);
+          if (n + 8 < args.N) out[n + 8] = __float2bfloat16_rn(acc[4 * c8 + 2 + b] * w);
+        } else {
+          float* out = static_cast<float*>(args.out) + o;
+          if (n < args.N) out[n] = acc[4 * c8 + b] * w;
+          if (n + 8 < args.N) out[n + 8] = acc[4 * c8 + 2 + b] * w;
+        }
       }
     }
 }
 
-}  // namespace deepfuse::moe
+}  // namespace deepfuse::gemm

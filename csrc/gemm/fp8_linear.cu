@@ -1,0 +1,65 @@
+// fp8_linear host launch: activation cast, then the grouped GEMM kernel in dense mode.
+// Small M streams the weight through 64-row x 16-token tiles; large M takes 128 x 128 tiles
+// (the Python side prefers cuBLASLt through torch._scaled_mm there where it is faster).
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+
+#include "cast/cast.h"
+#include "common/cuda_utils.h"
+#include "gemm/fp8_linear.h"
+#include "gemm/grouped_gemm_sm90.cuh"
+
+namespace deepfuse {
+namespace {
+
+template <bool MX>
+using SmallM = gemm::GemmCfg<16, 1, 4, MX>;
+template <bool MX>
+using LargeM = gemm::GemmCfg<128, 2, 4, MX>;
+
+int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
+
+template <class C, bool MX>
+void launch(const gemm::GemmArgs& a, int64_t M, cudaStream_t stream) {
+  auto kern = gemm::grouped_gemm_kernel<C, MX, false>;
+  static bool attr = [&] {
+    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
+               "cudaFuncSetAttribute(grouped_gemm_kernel)");
+    return true;
+  }();
+  (void)attr;
+  const dim3 grid(ceil_div(a.N, C::ROWS), static_cast<unsigned>(ceil_div<int64_t>(M, C::BT)));
+  kern<<<grid, C::kThreads, C::kSmem, stream>>>(a);
+  check_launch("grouped_gemm_kernel (linear)");
+}
+
+}  // namespace
+
+int64_t fp8_linear_workspace_bytes(const LinearProblem& p) {
+  return align256(p.M * p.K) + align256(4 * p.M * ceil_div(p.K, 128));
+}
+
+void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, bool out_bf16, void* workspace,
+                cudaStream_t stream) {
+  if (p.M <= 0 || p.N <= 0) return;
+  if (p.M > (1LL << 30)) throw std::runtime_error("deepfuse: fp8_linear: too many rows");
+  uint8_t* xq = static_cast<uint8_t*>(workspace);
+  float* xs = reinterpret_cast<float*>(xq + align256(p.M * p.K));
+  fp8_group_cast(x, x_bf16, xq, xs, ScaleKind::kFp32, p.M, p.K, p.K, 128, 0, stream);
+  gemm::GemmArgs a{};
+  a.a = xq, a.a_scale = xs, a.a_rows = nullptr;
+  a.K = p.K, a.N = p.N, a.E = 1, a.M = static_cast<int>(p.M);
+  a.b0 = a.b1 = a.sb0 = a.sb1 = gemm::GemmOperand{static_cast<const uint8_t*>(p.w), p.scale, p.scale_u8};
+  a.tasks = nullptr, a.ntasks = nullptr;
+  a.out = out, a.out_bf16 = out_bf16, a.row_weight = nullptr;
+  if (p.M <= 64) {
+    if (p.mxfp4) launch<SmallM<true>, true>(a, p.M, stream);
+    else launch<SmallM<false>, false>(a, p.M, stream);
+  } else {
+    if (p.mxfp4) launch<LargeM<true>, true>(a, p.M, stream);
+    else launch<LargeM<false>, false>(a, p.M, stream);
+  }
+}
+
+}  // namespace deepfuse

@@ -1,0 +1,26 @@
+// Block-scaled FP8 / MXFP4 linear (semantics: deepfuse/ops/linear.py) on sm90: activations
+// cast to FP8 per token per 128 (fp32 scales), then the grouped GEMM's weight-streaming
+// kernel with one "expert". Host launch only; no allocation, no sync, graph-capturable.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace deepfuse {
+
+struct LinearProblem {
+  int64_t M = 0;
+  int K = 0, N = 0;
+  bool mxfp4 = false;          // else fp8 (128 x 128 block scales)
+  const void* w = nullptr;     // fp8 [N, K] or packed e2m1 [N, K/2]
+  const void* scale = nullptr; // fp8: [ceil(N/128), ceil(K/128)] fp32 / UE8M0; mxfp4: UE8M0 [N, K/32]
+  bool scale_u8 = false;
+};
+
+int64_t fp8_linear_workspace_bytes(const LinearProblem& p);
+
+// x [M, K] (bf16 if x_bf16 else fp32, contiguous) -> out [M, N] (bf16 if out_bf16 else fp32).
+void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, bool out_bf16, void* workspace,
+                cudaStream_t stream);
+
+}  // namespace deepfuse

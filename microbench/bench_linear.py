@@ -1,0 +1,56 @@
+"""FP8 / MXFP4 block-scaled linears (ops.quant_linear) at V4-Flash projection shapes.
+
+python -m microbench.bench_linear --out DIR [--quick]
+
+Per (projection, fmt, M): time of the op (activation cast included), weight bytes read per
+second and the fraction of the copy ceiling measured in this run, TFLOP/s, and the ratios to
+what a user would otherwise run: the reference (dequantise the weight, bf16 matmul) and
+cuBLASLt through torch._scaled_mm with DeepSeek's block scales (fp8 only).
+"""
+from __future__ import annotations
+
+import torch
+
+from deepfuse import ops
+from deepfuse.ops import linear as L
+from microbench import harness as H
+
+SHAPES = {  # name: (N, K)
+    "wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+    "shared_w1": (2048, 4096), "shared_w2": (4096, 2048),
+}
+
+
+def main(argv=None):
+    args, ctx = H.start(argv)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Ms = [1, 8, 64, 256, 4096] if args.quick else [1, 8, 32, 64, 128, 256, 1024, 4096]
+    rows = []
+    for name, (N, K) in SHAPES.items():
+        wf = torch.randn(N, K, device="cuda", generator=g) * K ** -0.5
+        for fmt in ("fp8", "mxfp4"):
+            w, s = ops.fp8_block_cast(wf, (128, 128), scale_fmt="ue8m0") if fmt == "fp8" else ops.mxfp4_cast(wf)
+            wbytes = w.numel() * w.element_size() + s.numel() * s.element_size()
+            for M in Ms:
+                x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+                t = H.time_fn(lambda: ops.quant_linear(x, w, s, fmt))
+                r = dict(proj=name, N=N, K=K, fmt=fmt, M=M, us=t.median_us, TBps=wbytes / t.s / 1e12,
+                         frac_copy=wbytes / t.s / 1e12 / ctx.copy_tbps, TFLOPs=2 * M * N * K / t.s / 1e12)
+                tr = H.time_fn(lambda: L.quant_linear_ref(x, w, s, fmt), reps=10)
+                r["ref_us"], r["x_ref"] = tr.median_us, tr.median_us / t.median_us
+                if fmt == "fp8":
+                    ts = H.time_fn(lambda: L._scaled_mm_fp8(x, w, s, torch.bfloat16))
+                    r["scaled_mm_us"], r["x_scaled_mm"] = ts.median_us, ts.median_us / t.median_us
+                rows.append(r)
+                H.print_table([r], COLS)
+    print()
+    H.print_table(rows, COLS)
+    H.save(args.out, "linear", ctx, rows)
+
+
+COLS = [("proj", "{}"), ("N", "{}"), ("K", "{}"), ("fmt", "{}"), ("M", "{}"), ("us", "{:.1f}"), ("TBps", "{:.2f}"),
+        ("frac_copy", "{:.2f}"), ("TFLOPs", "{:.0f}"), ("ref_us", "{:.1f}"), ("x_ref", "{:.1f}"),
+        ("scaled_mm_us", "{:.1f}"), ("x_scaled_mm", "{:.2f}")]
+
+if __name__ == "__main__":
+    main()
