@@ -3,7 +3,10 @@
 // (the Python side prefers cuBLASLt through torch._scaled_mm there where it is faster).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
+
+#include <cuda_bf16.h>
 
 #include "cast/cast.h"
 #include "common/cuda_utils.h"
@@ -20,6 +23,26 @@ using LargeM = gemm::GemmCfg<128, 2, 4, MX>;
 
 int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
+// K splits for small M: enough CTAs for two per SM, each at least two 128-K chunks.
+int k_splits(const LinearProblem& p) {
+  if (p.M > 64) return 1;
+  const int tiles = ceil_div(p.N, SmallM<false>::ROWS);
+  const int kb = ceil_div(p.K, 128);
+  return std::max(1, std::min(ceil_div(2 * num_sms(), tiles), kb / 2));
+}
+
+// out[m, n] = sum over z of part[z, m, n], in z order.
+template <typename Out>
+__global__ void split_reduce_kernel(const float* __restrict__ part, Out* __restrict__ out, int64_t MN, int splits) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < MN;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = 0.0f;
+    for (int z = 0; z < splits; ++z) s += part[z * MN + i];
+    if constexpr (sizeof(Out) == 4) out[i] = s;
+    else out[i] = __float2bfloat16_rn(s);
+  }
+}
+
 template <class C, bool MX>
 void launch(const gemm::GemmArgs& a, int64_t M, cudaStream_t stream) {
   auto kern = gemm::grouped_gemm_kernel<C, MX, false>;
@@ -29,7 +52,7 @@ void launch(const gemm::GemmArgs& a, int64_t M, cudaStream_t stream) {
     return true;
   }();
   (void)attr;
-  const dim3 grid(ceil_div(a.N, C::ROWS), static_cast<unsigned>(ceil_div<int64_t>(M, C::BT)));
+  const dim3 grid(ceil_div(a.N, C::ROWS), static_cast<unsigned>(ceil_div<int64_t>(M, C::BT)), a.ksplit);
   kern<<<grid, C::kThreads, C::kSmem, stream>>>(a);
   check_launch("grouped_gemm_kernel (linear)");
 }
@@ -37,7 +60,8 @@ void launch(const gemm::GemmArgs& a, int64_t M, cudaStream_t stream) {
 }  // namespace
 
 int64_t fp8_linear_workspace_bytes(const LinearProblem& p) {
-  return align256(p.M * p.K) + align256(4 * p.M * ceil_div(p.K, 128));
+  const int z = k_splits(p);
+  return align256(p.M * p.K) + align256(4 * p.M * ceil_div(p.K, 128)) + (z > 1 ? 4LL * z * p.M * p.N : 0);
 }
 
 void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, bool out_bf16, void* workspace,
@@ -52,10 +76,22 @@ void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, b
   a.K = p.K, a.N = p.N, a.E = 1, a.M = static_cast<int>(p.M);
   a.b0 = a.b1 = a.sb0 = a.sb1 = gemm::GemmOperand{static_cast<const uint8_t*>(p.w), p.scale, p.scale_u8};
   a.tasks = nullptr, a.ntasks = nullptr;
-  a.out = out, a.out_bf16 = out_bf16, a.row_weight = nullptr;
+  const int z = k_splits(p);
+  float* part = reinterpret_cast<float*>(xq + align256(p.M * p.K) + align256(4 * p.M * ceil_div(p.K, 128)));
+  a.ksplit = z;
+  a.out = z > 1 ? static_cast<void*>(part) : out, a.out_bf16 = z > 1 ? false : out_bf16, a.row_weight = nullptr;
   if (p.M <= 64) {
     if (p.mxfp4) launch<SmallM<true>, true>(a, p.M, stream);
     else launch<SmallM<false>, false>(a, p.M, stream);
+    if (z > 1) {
+      const int64_t MN = p.M * p.N;
+      const int blocks = static_cast<int>(std::min<int64_t>(ceil_div<int64_t>(MN, 256), 4 * num_sms()));
+      if (out_bf16)
+        split_reduce_kernel<<<blocks, 256, 0, stream>>>(part, static_cast<__nv_bfloat16*>(out), MN, z);
+      else
+        split_reduce_kernel<<<blocks, 256, 0, stream>>>(part, static_cast<float*>(out), MN, z);
+      check_launch("split_reduce_kernel");
+    }
   } else {
     if (p.mxfp4) launch<LargeM<true>, true>(a, p.M, stream);
     else launch<LargeM<false>, false>(a, p.M, stream);

@@ -45,6 +45,7 @@ struct GemmArgs {
                             // linear (expert 0, rows blockIdx.y * BT .., M of them)
   const int* ntasks;
   int M;                    // rows of a dense linear
+  int ksplit;               // dense linear: K split over blockIdx.z (fp32 partials [ksplit, M, N])
   void* out;                // SWIGLU: bf16 [P, N]; plain: fp32 [P, N] (bf16 if out_bf16)
   bool out_bf16;
   const float* row_weight;  // plain: [P] or null (1)
@@ -225,22 +226,27 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
   // Stages are walked from a start that depends on the n-tile and the expert (never on the
   // task, so a row's summation order does not depend on the plan): CTAs in flight together
   // then read different columns of their rows instead of all hitting the same DRAM channels.
-  const int NS = (KB + C::KCH - 1) / C::KCH;
-  const int rot = (blockIdx.x * 5 + e * 11) % NS;
+  // split K (dense linears): this CTA takes stages [s_lo, s_lo + NS) of K
+  const int NS_all = (KB + C::KCH - 1) / C::KCH;
+  const int per = (NS_all + args.ksplit - 1) / args.ksplit;
+  const int s_lo = blockIdx.z * per;
+  const int NS = max(0, min(NS_all, s_lo + per) - s_lo);
+  const int rot = NS ? (blockIdx.x * 5 + e * 11) % NS : 0;
 #pragma unroll
   for (int s = 0; s < C::STAGES - 1; ++s) {
-    if (s < NS) load(s, ((s + rot) % NS) * C::KCH);
+    if (s < NS) load(s, (s_lo + (s + rot) % NS) * C::KCH);
     cp_async_commit();
   }
   const int g = lane >> 2, t4 = lane & 3;
   const int rg = wg * 64 + wq * 16 + g;  // this thread's tile rows rg, rg + 8
   float part[R];
   for (int it = 0; it < NS; ++it) {
-    const int kb0 = ((it + rot) % NS) * C::KCH;
+    const int kb0 = (s_lo + (it + rot) % NS) * C::KCH;
     cp_async_wait<C::STAGES - 2>();
     fence_proxy_async();
     __syncthreads();
-    if (it + C::STAGES - 1 < NS) load((it + C::STAGES - 1) % C::STAGES, ((it + C::STAGES - 1 + rot) % NS) * C::KCH);
+    if (it + C::STAGES - 1 < NS)
+      load((it + C::STAGES - 1) % C::STAGES, (s_lo + (it + C::STAGES - 1 + rot) % NS) * C::KCH);
     cp_async_commit();
     const int st = it % C::STAGES;
     if (MX) {  // packed e2m1 -> swizzled e4m3 tiles
@@ -357,7 +363,7 @@ __global__ void __launch_bounds__(C::kThreads) grouped_gemm_kernel(const GemmArg
       } else {
         const int n = col0 + wg * 64 + wq * 16 + g;
         const float w = args.row_weight != nullptr ? args.row_weight[p] : 1.0f;
-        const int64_t o = static_cast<int64_t>(p) * args.N;
+        const int64_t o = (static_cast<int64_t>(blockIdx.z) * args.M + p) * args.N;
         if (args.out_bf16) {
           __nv_bfloat16* out = static_cast<__nv_bfloat16*>(args.out) + o;
           if (n < args.N) out[n] = __float2bfloat16_rn(acc[4 * c8 + b] * w);
