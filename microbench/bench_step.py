@@ -137,7 +137,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny widths: a smoke test")
+    ap.add_argument("--reference", action="store_true",
+                    help="linears and experts through their torch references (the eager baseline)")
     a = ap.parse_args(argv)
+    if a.reference:
+        from deepfuse import ops
+
+        ops.set_activation_quant(False)
     from deepfuse.engine import LLM
     from deepfuse.models import random as rnd
 
@@ -190,7 +196,8 @@ def main(argv=None) -> int:
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": os.environ.get("DEEPFUSE_COMMIT", "unknown"), "layers": a.layers, "experts": a.experts,
             "copy_tbps": copy / 1e12 if copy else None}
-    (out / "step.json").write_text(json.dumps({"kernel": "step", "context": meta, "rows": rows}, indent=1))
+    meta["path"] = "reference" if a.reference else "kernels"
+    (out / ("step_reference.json" if a.reference else "step.json")).write_text(json.dumps({"kernel": "step", "context": meta, "rows": rows}, indent=1))
     return 0
 
 
