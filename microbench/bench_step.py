@@ -119,7 +119,7 @@ def step_profile(eng, dev, top: int = 12) -> list[dict]:
     with profile(activities=acts) as prof:
         eng.step()
         _sync(dev)
-    key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     rows = []
     for e in sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]:
         rows.append({"op": e.key, "ms": getattr(e, key, 0) / 1e3, "calls": e.count})

@@ -245,10 +245,16 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
     cp_async_wait<C::STAGES - 2>();
     fence_proxy_async();
     __syncthreads();
-    if (it + C::STAGES - 1 < NS)
-      load((it + C::STAGES - 1) % C::STAGES, (s_lo + (it + C::STAGES - 1 + rot) % NS) * C::KCH);
-    cp_async_commit();
+    // the next stage's loads are issued after this stage's first wgmmas (fp8), so that their
+    // address math overlaps the tensor cores; the stage they overwrite was consumed (waited)
+    // before the barrier above
+    auto issue_next = [&] {
+      if (it + C::STAGES - 1 < NS)
+        load((it + C::STAGES - 1) % C::STAGES, (s_lo + (it + C::STAGES - 1 + rot) % NS) * C::KCH);
+      cp_async_commit();
+    };
     const int st = it % C::STAGES;
+    if (MX) issue_next();
     if (MX) {  // packed e2m1 -> swizzled e4m3 tiles
       for (int q = tid; q < C::KCH * C::ROWS * 4; q += C::kThreads) {
         const int c = q / (C::ROWS * 4), n = (q >> 2) % C::ROWS, qq = q & 3;
@@ -279,6 +285,7 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
 #pragma unroll
         for (int j = 0; j < 4; ++j) wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), j);
         wgmma_commit();
+        if (c == 0) issue_next();
         wgmma_wait0();
         fence_regs(part);
         const float w0 = s_ws[kb], w1 = s_ws[(SWIGLU ? kMaxKChunks : 0) + kb];  // rows rg (gate), rg + 8 (up)
