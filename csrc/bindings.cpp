@@ -61,9 +61,9 @@ std::vector<std::string> built_archs() {
   return out;
 }
 
-// linear problem = (M, K, N, mxfp4, w, scale, scale_u8)
+// linear problem = (M, K, N, mxfp4, w, scale, scale_u8, groups)
 deepfuse::LinearProblem linear_problem(const py::tuple& t) {
-  if (t.size() != 7) throw std::invalid_argument("deepfuse: fp8_linear: problem needs 7 fields");
+  if (t.size() != 8) throw std::invalid_argument("deepfuse: fp8_linear: problem needs 8 fields");
   deepfuse::LinearProblem p;
   p.M = t[0].cast<int64_t>();
   p.K = t[1].cast<int>();
@@ -72,6 +72,7 @@ deepfuse::LinearProblem linear_problem(const py::tuple& t) {
   p.w = P<const void>(t[4].cast<ptr_t>());
   p.scale = P<const void>(t[5].cast<ptr_t>());
   p.scale_u8 = t[6].cast<bool>();
+  p.groups = t[7].cast<int>();
   return p;
 }
 

@@ -25,7 +25,7 @@ int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
 // K splits for small M: enough CTAs for two per SM, each at least two 128-K chunks.
 int k_splits(const LinearProblem& p) {
-  if (p.M > 64) return 1;
+  if (p.M > 64 || p.groups > 0) return 1;
   const int tiles = ceil_div(p.N, SmallM<false>::ROWS);
   const int kb = ceil_div(p.K, 128);
   return std::max(1, std::min(ceil_div(2 * num_sms(), tiles), kb / 2));
@@ -52,7 +52,8 @@ void launch(const gemm::GemmArgs& a, int64_t M, cudaStream_t stream) {
     return true;
   }();
   (void)attr;
-  const dim3 grid(ceil_div(a.N, C::ROWS), static_cast<unsigned>(ceil_div<int64_t>(M, C::BT)), a.ksplit);
+  const dim3 grid(ceil_div(a.N, C::ROWS), static_cast<unsigned>(ceil_div<int64_t>(M, C::BT)),
+                  a.groups > 0 ? a.groups : a.ksplit);
   kern<<<grid, C::kThreads, C::kSmem, stream>>>(a);
   check_launch("grouped_gemm_kernel (linear)");
 }
@@ -61,23 +62,25 @@ void launch(const gemm::GemmArgs& a, int64_t M, cudaStream_t stream) {
 
 int64_t fp8_linear_workspace_bytes(const LinearProblem& p) {
   const int z = k_splits(p);
-  return align256(p.M * p.K) + align256(4 * p.M * ceil_div(p.K, 128)) + (z > 1 ? 4LL * z * p.M * p.N : 0);
+  const int64_t rows = p.M * std::max(1, p.groups);
+  return align256(rows * p.K) + align256(4 * rows * ceil_div(p.K, 128)) + (z > 1 ? 4LL * z * p.M * p.N : 0);
 }
 
 void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, bool out_bf16, void* workspace,
                 cudaStream_t stream) {
   if (p.M <= 0 || p.N <= 0) return;
   if (p.M > (1LL << 30)) throw std::runtime_error("deepfuse: fp8_linear: too many rows");
+  const int64_t rows = p.M * std::max(1, p.groups);
   uint8_t* xq = static_cast<uint8_t*>(workspace);
-  float* xs = reinterpret_cast<float*>(xq + align256(p.M * p.K));
-  fp8_group_cast(x, x_bf16, xq, xs, ScaleKind::kFp32, p.M, p.K, p.K, 128, 0, stream);
+  float* xs = reinterpret_cast<float*>(xq + align256(rows * p.K));
+  fp8_group_cast(x, x_bf16, xq, xs, ScaleKind::kFp32, rows, p.K, p.K, 128, 0, stream);
   gemm::GemmArgs a{};
   a.a = xq, a.a_scale = xs, a.a_rows = nullptr;
-  a.K = p.K, a.N = p.N, a.E = 1, a.M = static_cast<int>(p.M);
+  a.K = p.K, a.N = p.N, a.E = std::max(1, p.groups), a.M = static_cast<int>(p.M), a.groups = p.groups;
   a.b0 = a.b1 = a.sb0 = a.sb1 = gemm::GemmOperand{static_cast<const uint8_t*>(p.w), p.scale, p.scale_u8};
   a.tasks = nullptr, a.ntasks = nullptr;
   const int z = k_splits(p);
-  float* part = reinterpret_cast<float*>(xq + align256(p.M * p.K) + align256(4 * p.M * ceil_div(p.K, 128)));
+  float* part = reinterpret_cast<float*>(xq + align256(rows * p.K) + align256(4 * rows * ceil_div(p.K, 128)));
   a.ksplit = z;
   a.out = z > 1 ? static_cast<void*>(part) : out, a.out_bf16 = z > 1 ? false : out_bf16, a.row_weight = nullptr;
   if (p.M <= 64) {

@@ -15,11 +15,13 @@ struct LinearProblem {
   const void* w = nullptr;     // fp8 [N, K] or packed e2m1 [N, K/2]
   const void* scale = nullptr; // fp8: [ceil(N/128), ceil(K/128)] fp32 / UE8M0; mxfp4: UE8M0 [N, K/32]
   bool scale_u8 = false;
+  int groups = 0;              // > 0: block-diagonal: x [M, groups, K], w [groups * N, K] -> [M, groups, N]
 };
 
 int64_t fp8_linear_workspace_bytes(const LinearProblem& p);
 
-// x [M, K] (bf16 if x_bf16 else fp32, contiguous) -> out [M, N] (bf16 if out_bf16 else fp32).
+// x [M, K] (bf16 if x_bf16 else fp32, contiguous) -> out [M, N] (bf16 if out_bf16 else fp32);
+// grouped: x [M, groups, K] -> out [M, groups, N].
 void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, bool out_bf16, void* workspace,
                 cudaStream_t stream);
 

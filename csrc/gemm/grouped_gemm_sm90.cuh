@@ -46,6 +46,8 @@ struct GemmArgs {
   const int* ntasks;
   int M;                    // rows of a dense linear
   int ksplit;               // dense linear: K split over blockIdx.z (fp32 partials [ksplit, M, N])
+  int groups;               // > 0: block-diagonal linear, group e = blockIdx.z owns weight rows
+                            // [e N, (e + 1) N) and reads / writes rows p * groups + e
   void* out;                // SWIGLU: bf16 [P, N]; plain: fp32 [P, N] (bf16 if out_bf16)
   bool out_bf16;
   const float* row_weight;  // plain: [P] or null (1)
@@ -229,7 +231,7 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
   // split K (dense linears): this CTA takes stages [s_lo, s_lo + NS) of K
   const int NS_all = (KB + C::KCH - 1) / C::KCH;
   const int per = (NS_all + args.ksplit - 1) / args.ksplit;
-  const int s_lo = blockIdx.z * per;
+  const int s_lo = (args.ksplit > 1 ? static_cast<int>(blockIdx.z) : 0) * per;
   const int NS = max(0, min(NS_all, s_lo + per) - s_lo);
   const int rot = NS ? (blockIdx.x * 5 + e * 11) % NS : 0;
 #pragma unroll
@@ -331,7 +333,7 @@ __device__ __forceinline__ float swiglu_f(float gt, float up, float limit) {
 template <class C, bool MX, bool SWIGLU>
 __global__ void __launch_bounds__(C::kThreads) grouped_gemm_kernel(const GemmArgs args) {
   const int task = blockIdx.y;
-  int e = 0, r0 = task * C::BT, r1 = min(args.M, r0 + C::BT);
+  int e = args.groups > 0 ? static_cast<int>(blockIdx.z) : 0, r0 = task * C::BT, r1 = min(args.M, r0 + C::BT);
   if (args.tasks != nullptr) {
     if (task >= *args.ntasks) return;
     e = args.tasks[task * 3], r0 = args.tasks[task * 3 + 1], r1 = args.tasks[task * 3 + 2];
@@ -342,7 +344,7 @@ __global__ void __launch_bounds__(C::kThreads) grouped_gemm_kernel(const GemmArg
   int* s_rows = sm.rows();
   for (int r = threadIdx.x; r < C::BT; r += C::kThreads) {
     const int p = r0 + r;
-    s_rows[r] = p < r1 ? (args.a_rows != nullptr ? args.a_rows[p] : p) : -1;
+    s_rows[r] = p >= r1 ? -1 : args.groups > 0 ? p * args.groups + e : (args.a_rows != nullptr ? args.a_rows[p] : p);
   }
   __syncthreads();
 
@@ -370,7 +372,8 @@ __global__ void __launch_bounds__(C::kThreads) grouped_gemm_kernel(const GemmArg
       } else {
         const int n = col0 + wg * 64 + wq * 16 + g;
         const float w = args.row_weight != nullptr ? args.row_weight[p] : 1.0f;
-        const int64_t o = (static_cast<int64_t>(blockIdx.z) * args.M + p) * args.N;
+        const int64_t o = (args.groups > 0 ? static_cast<int64_t>(p) * args.groups + e
+                                            : static_cast<int64_t>(blockIdx.z) * args.M + p) * args.N;
         if (args.out_bf16) {
           __nv_bfloat16* out = static_cast<__nv_bfloat16*>(args.out) + o;
           if (n < args.N) out[n] = __float2bfloat16_rn(acc[4 * c8 + b] * w);

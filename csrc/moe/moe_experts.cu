@@ -251,7 +251,7 @@ void run_gemms(const MoeProblem& p, const Workspace& w, int64_t U, int64_t P, cu
   g1.a = w.xq, g1.a_scale = w.xs, g1.a_rows = w.rows;
   g1.K = p.d, g1.N = p.inter, g1.E = p.E;
   g1.b0 = op(p.w1), g1.b1 = op(p.w3), g1.sb0 = op(p.sw1), g1.sb1 = op(p.sw3);
-  g1.tasks = w.tasks, g1.ntasks = w.ntasks, g1.ksplit = 1, g1.out = w.h, g1.limit = p.limit;
+  g1.tasks = w.tasks, g1.ntasks = w.ntasks, g1.ksplit = 1, g1.groups = 0, g1.out = w.h, g1.limit = p.limit;
   const int n1 = ceil_div(p.inter, Cfg<false>::IPT);
   if (mx)
     launch_gemm<Cfg<true>, true, true>(g1, n1, U, stream);
@@ -264,7 +264,7 @@ void run_gemms(const MoeProblem& p, const Workspace& w, int64_t U, int64_t P, cu
   g2.a = w.hq, g2.a_scale = w.hs, g2.a_rows = nullptr;
   g2.K = p.inter, g2.N = p.d, g2.E = p.E;
   g2.b0 = op(p.w2), g2.b1 = op(p.w2), g2.sb0 = op(p.sw2), g2.sb1 = op(p.sw2);
-  g2.tasks = w.tasks, g2.ntasks = w.ntasks, g2.ksplit = 1, g2.out = w.Y, g2.row_weight = w.wrow;
+  g2.tasks = w.tasks, g2.ntasks = w.ntasks, g2.ksplit = 1, g2.groups = 0, g2.out = w.Y, g2.row_weight = w.wrow;
   const int n2 = ceil_div(p.d, Cfg<false>::ROWS);
   if (mx)
     launch_gemm<Cfg<true>, true, false>(g2, n2, U, stream);

@@ -9,7 +9,7 @@ Semantics (the references define them): y = x @ W^T in fp32 with the weight dequ
 exactly, cast to x.dtype. Activations are not quantised (the transformers oracle does the
 same when it dequantises; DeepSeek's reference quantises activations to FP8 per 128).
 
-CUDA: the kernels quantise activations to FP8 e4m3 per token per 128 (fp32 scales), as
+CUDA (quant_linear and grouped_linear with fp8 / mxfp4 weights): the kernels quantise activations to FP8 e4m3 per token per 128 (fp32 scales), as
 DeepSeek's reference does, and run FP8 MMAs: M <= 64 streams the weight through the grouped
 GEMM kernel (csrc/gemm), larger M (fp8 weights, K % 128 == 0) goes to cuBLASLt through
 torch._scaled_mm with DeepSeek's block scales, mxfp4 always to our kernel.
@@ -143,7 +143,7 @@ def _(x, w, scale, fmt):
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         C = _ext.ext(x.device)
-        problem = (M, K, N, fmt == "mxfp4", w.data_ptr(), scale.data_ptr(), scale.dtype == torch.uint8)
+        problem = (M, K, N, fmt == "mxfp4", w.data_ptr(), scale.data_ptr(), scale.dtype == torch.uint8, 0)
         work = torch.empty(C.fp8_linear_workspace_bytes(problem), dtype=torch.uint8, device=x.device)
         C.fp8_linear(problem, x2.data_ptr(), x2.dtype == torch.bfloat16, out.data_ptr(), out.dtype == torch.bfloat16,
                      work.data_ptr(), _ext.stream(x.device))
@@ -155,10 +155,27 @@ def _(x, w, scale, fmt):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
-# no kernel yet: the op's body (the reference) also serves CUDA tensors.
 @op("grouped_linear")
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> torch.Tensor:
     return grouped_linear_ref(x, w, scale, fmt)
+
+
+@_grouped_linear.register_kernel("cuda")
+def _(x, w, scale, fmt):
+    G, Kg = x.shape[-2], x.shape[-1]
+    R = w.shape[0] // G
+    if fmt == "dense" or not linear_kernel_supports(x, w, scale, fmt) or (fmt == "fp8" and R % FP8_BLOCK):
+        return grouped_linear_ref(x, w, scale, fmt)
+    x2 = x.reshape(-1, G * Kg).contiguous()
+    M = x2.shape[0]
+    out = torch.empty(*x.shape[:-1], R, dtype=x.dtype, device=x.device)
+    if M:
+        C = _ext.ext(x.device)
+        problem = (M, Kg, R, fmt == "mxfp4", w.data_ptr(), scale.data_ptr(), scale.dtype == torch.uint8, G)
+        work = torch.empty(C.fp8_linear_workspace_bytes(problem), dtype=torch.uint8, device=x.device)
+        C.fp8_linear(problem, x2.data_ptr(), x2.dtype == torch.bfloat16, out.data_ptr(), out.dtype == torch.bfloat16,
+                     work.data_ptr(), _ext.stream(x.device))
+    return out
 
 
 @_grouped_linear.register_fake
