@@ -13,6 +13,7 @@
 #include "common/cuda_utils.h"
 #include "gemm/fp8_linear.h"
 #include "kvcache/kvcache.h"
+#include "mhc/mhc.h"
 #include "moe/moe.h"
 #include "topk/topk.h"
 
@@ -323,4 +324,27 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("problem"), py::arg("x"), py::arg("x_bf16"), py::arg("out"), py::arg("out_bf16"), py::arg("workspace"),
       py::arg("stream"), py::arg("device") = -1);
+  m.def("hc_mix_splits", &deepfuse::hc_mix_splits, py::arg("T"), py::arg("d"));
+  m.def(
+      "hc_mix",
+      [](ptr_t x, bool x_bf16, ptr_t fn, ptr_t scale, ptr_t base, ptr_t y, ptr_t post, ptr_t comb, ptr_t part,
+         int64_t T, int d, bool head, float norm_eps, float hc_eps, int iters, ptr_t stream, int device) {
+        DeviceGuard guard(device);
+        deepfuse::hc_mix(P<const void>(x), x_bf16, P<const float>(fn), P<const float>(scale), P<const float>(base),
+                         P(y), P<float>(post), P<float>(comb), P<float>(part), T, d, head, norm_eps, hc_eps, iters,
+                         deepfuse::as_stream(stream));
+      },
+      py::arg("x"), py::arg("x_bf16"), py::arg("fn"), py::arg("scale"), py::arg("base"), py::arg("y"),
+      py::arg("post"), py::arg("comb"), py::arg("part"), py::arg("T"), py::arg("d"), py::arg("head"),
+      py::arg("norm_eps"), py::arg("hc_eps"), py::arg("iters"), py::arg("stream"), py::arg("device") = -1);
+  m.def(
+      "hc_post",
+      [](ptr_t f, ptr_t x, bool bf16, ptr_t post, ptr_t comb, ptr_t out, int64_t T, int d, ptr_t stream,
+         int device) {
+        DeviceGuard guard(device);
+        deepfuse::hc_post(P<const void>(f), P<const void>(x), bf16, P<const float>(post), P<const float>(comb),
+                          P(out), T, d, deepfuse::as_stream(stream));
+      },
+      py::arg("f"), py::arg("x"), py::arg("bf16"), py::arg("post"), py::arg("comb"), py::arg("out"), py::arg("T"),
+      py::arg("d"), py::arg("stream"), py::arg("device") = -1);
 }

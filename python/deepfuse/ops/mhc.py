@@ -11,11 +11,16 @@ Semantics (the references below define them; all mixing math in fp32):
     -> (y = sum_i pre_i x_i  [*L, d] in x.dtype, post [*L, n], comb [*L, n, n])
 - hc_post(f [*L, d], x [*L, n, d], post, comb) -> x'_j = post_j f + sum_i comb[i, j] x_i
 - hc_head(x, fn [n, n d], scale [1], base [n]) -> sum_i (sigmoid(m_i s + b_i) + hc_eps) x_i
+
+CUDA (csrc/mhc, n = 4, d % 4 == 0, bf16 / fp32 streams): pre and head in two launches (the
+dot products over slices of the streams, then the mixing math and the weighted sum), post in
+one elementwise launch. Other shapes run the references.
 """
 from __future__ import annotations
 
 import torch
 
+from deepfuse import _ext
 from deepfuse.ops._checks import check_tensor
 from deepfuse.ops._registry import op
 
@@ -58,11 +63,39 @@ def hc_head_ref(x, fn, scale, base, norm_eps: float, hc_eps: float):
     return (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
 
 
-# no kernel yet for the three ops below: the op's body (the reference) also serves CUDA tensors.
 @op("hc_pre")
 def _hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return hc_pre_ref(x, fn, scale, base, norm_eps, hc_eps, iters)
+
+
+def _kernel_ok(x, *params) -> bool:
+    return (_ext.has_cuda_kernels() and x.dim() >= 2 and x.shape[-2] == 4 and x.shape[-1] % 4 == 0
+            and x.dtype in (torch.bfloat16, torch.float32) and all(p.dtype == torch.float32 for p in params))
+
+
+def _mix_cuda(x, fn, scale, base, norm_eps, hc_eps, iters, head):
+    lead, n, d = x.shape[:-2], x.shape[-2], x.shape[-1]
+    xc, fc = x.contiguous(), fn.contiguous()
+    T = xc.numel() // (n * d)
+    y = torch.empty(*lead, d, dtype=x.dtype, device=x.device)
+    post = torch.empty(*lead, n, dtype=torch.float32, device=x.device)
+    comb = torch.empty(*lead, n, n, dtype=torch.float32, device=x.device)
+    if T:
+        C = _ext.ext(x.device)
+        mixes = n if head else (2 + n) * n
+        part = torch.empty(T * C.hc_mix_splits(T, d) * (mixes + 1), dtype=torch.float32, device=x.device)
+        C.hc_mix(xc.data_ptr(), x.dtype == torch.bfloat16, fc.data_ptr(), scale.contiguous().data_ptr(),
+                 base.contiguous().data_ptr(), y.data_ptr(), post.data_ptr(), comb.data_ptr(), part.data_ptr(), T, d,
+                 head, float(norm_eps), float(hc_eps), int(iters), _ext.stream(x.device))
+    return y, post, comb
+
+
+@_hc_pre.register_kernel("cuda")
+def _(x, fn, scale, base, norm_eps, hc_eps, iters):
+    if not _kernel_ok(x, fn, scale, base):
+        return hc_pre_ref(x, fn, scale, base, norm_eps, hc_eps, iters)
+    return _mix_cuda(x, fn, scale, base, norm_eps, hc_eps, iters, False)
 
 
 @_hc_pre.register_fake
@@ -77,6 +110,21 @@ def _hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.T
     return hc_post_ref(f, x, post, comb)
 
 
+@_hc_post.register_kernel("cuda")
+def _(f, x, post, comb):
+    if not _kernel_ok(x, post, comb) or f.dtype != x.dtype:
+        return hc_post_ref(f, x, post, comb)
+    xc, fc = x.contiguous(), f.contiguous()
+    d = x.shape[-1]
+    T = xc.numel() // (4 * d)
+    out = torch.empty_like(xc)
+    if T:
+        _ext.ext(x.device).hc_post(fc.data_ptr(), xc.data_ptr(), x.dtype == torch.bfloat16,
+                                   post.contiguous().data_ptr(), comb.contiguous().data_ptr(), out.data_ptr(), T, d,
+                                   _ext.stream(x.device))
+    return out
+
+
 @_hc_post.register_fake
 def _(f, x, post, comb):
     return torch.empty_like(x)
@@ -86,6 +134,13 @@ def _(f, x, post, comb):
 def _hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_eps: float, hc_eps: float) -> torch.Tensor:
     return hc_head_ref(x, fn, scale, base, norm_eps, hc_eps)
+
+
+@_hc_head.register_kernel("cuda")
+def _(x, fn, scale, base, norm_eps, hc_eps):
+    if not _kernel_ok(x, fn, scale, base):
+        return hc_head_ref(x, fn, scale, base, norm_eps, hc_eps)
+    return _mix_cuda(x, fn, scale, base, norm_eps, hc_eps, 1, True)[0]
 
 
 @_hc_head.register_fake
