@@ -45,17 +45,9 @@ __global__ void split_reduce_kernel(const float* __restrict__ part, Out* __restr
 
 template <class C, bool MX>
 void launch(const gemm::GemmArgs& a, int64_t M, cudaStream_t stream) {
-  auto kern = gemm::grouped_gemm_kernel<C, MX, false>;
-  static bool attr = [&] {
-    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
-               "cudaFuncSetAttribute(grouped_gemm_kernel)");
-    return true;
-  }();
-  (void)attr;
   const dim3 grid(ceil_div(a.N, C::ROWS), static_cast<unsigned>(ceil_div<int64_t>(M, C::BT)),
                   a.groups > 0 ? a.groups : a.ksplit);
-  kern<<<grid, C::kThreads, C::kSmem, stream>>>(a);
-  check_launch("grouped_gemm_kernel (linear)");
+  gemm::launch_grouped_gemm<C, MX, false>(a, grid, stream, "grouped_gemm_kernel (linear)");
 }
 
 }  // namespace

@@ -24,6 +24,8 @@
 
 #include <cstdint>
 
+#include "common/cuda_utils.h"
+#include "common/fp8_utils.cuh"
 #include "gemm/wgmma_e4m3.cuh"
 
 namespace deepfuse::gemm {
@@ -94,9 +96,7 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[BT / 2], uint64_t da, uint
   else wgmma_m64n128k32(d, da, db, scale_d);
 }
 
-__device__ __forceinline__ float ue8m0_value(uint32_t b) {
-  return b ? __uint_as_float(b << 23) : __uint_as_float(0x00400000u);  // 2^(b-127)
-}
+__device__ __forceinline__ float ue8m0_value(uint32_t b) { return exp2i(static_cast<int>(b) - 127); }
 
 // Eight packed e2m1 (one 32-bit word, element 2i in the low nibble of byte i) -> eight e4m3
 // bytes in element order, each the e2m1 value times 2^-6.
@@ -147,6 +147,19 @@ __device__ __forceinline__ int weight_row(int R, int col0, bool& up) {
   }
   up = false;
   return col0 + R;
+}
+
+// acc += part * (row scale x token scale): rows rg (w0) and rg + 8 (w1), token pairs sa.
+template <int BT>
+__device__ __forceinline__ void promote(float (&acc)[BT / 2], const float (&part)[BT / 2], float w0, float w1,
+                                        const float (&sa)[BT / 8][2]) {
+#pragma unroll
+  for (int c8 = 0; c8 < BT / 8; ++c8) {
+    acc[4 * c8 + 0] += part[4 * c8 + 0] * (w0 * sa[c8][0]);
+    acc[4 * c8 + 1] += part[4 * c8 + 1] * (w0 * sa[c8][1]);
+    acc[4 * c8 + 2] += part[4 * c8 + 2] * (w1 * sa[c8][0]);
+    acc[4 * c8 + 3] += part[4 * c8 + 3] * (w1 * sa[c8][1]);
+  }
 }
 
 template <class C, bool MX, bool SWIGLU>
@@ -291,13 +304,7 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
         wgmma_wait0();
         fence_regs(part);
         const float w0 = s_ws[kb], w1 = s_ws[(SWIGLU ? kMaxKChunks : 0) + kb];  // rows rg (gate), rg + 8 (up)
-#pragma unroll
-        for (int c8 = 0; c8 < C::BT / 8; ++c8) {
-          acc[4 * c8 + 0] += part[4 * c8 + 0] * (w0 * sa[c8][0]);
-          acc[4 * c8 + 1] += part[4 * c8 + 1] * (w0 * sa[c8][1]);
-          acc[4 * c8 + 2] += part[4 * c8 + 2] * (w1 * sa[c8][0]);
-          acc[4 * c8 + 3] += part[4 * c8 + 3] * (w1 * sa[c8][1]);
-        }
+        promote<C::BT>(acc, part, w0, w1, sa);
       } else {
         const uint8_t* sc = sm.SC(st) + c * C::ROWS * 4;
 #pragma unroll
@@ -308,13 +315,7 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
           wgmma_wait0();
           fence_regs(part);
           const float w0 = ue8m0_value(sc[rg * 4 + j]) * 64.0f, w1 = ue8m0_value(sc[(rg + 8) * 4 + j]) * 64.0f;
-#pragma unroll
-          for (int c8 = 0; c8 < C::BT / 8; ++c8) {
-            acc[4 * c8 + 0] += part[4 * c8 + 0] * (w0 * sa[c8][0]);
-            acc[4 * c8 + 1] += part[4 * c8 + 1] * (w0 * sa[c8][1]);
-            acc[4 * c8 + 2] += part[4 * c8 + 2] * (w1 * sa[c8][0]);
-            acc[4 * c8 + 3] += part[4 * c8 + 3] * (w1 * sa[c8][1]);
-          }
+          promote<C::BT>(acc, part, w0, w1, sa);
         }
       }
     }
@@ -385,6 +386,16 @@ __global__ void __launch_bounds__(C::kThreads) grouped_gemm_kernel(const GemmArg
         }
       }
     }
+}
+
+// Host: launch with the kernel's dynamic shared memory enabled (once per instantiation).
+template <class C, bool MX, bool SWIGLU>
+inline void launch_grouped_gemm(const GemmArgs& args, dim3 grid, cudaStream_t stream, const char* what) {
+  auto kern = grouped_gemm_kernel<C, MX, SWIGLU>;
+  static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  check_cuda(attr, "cudaFuncSetAttribute(grouped_gemm_kernel)");
+  kern<<<grid, C::kThreads, C::kSmem, stream>>>(args);
+  check_launch(what);
 }
 
 }  // namespace deepfuse::gemm

@@ -230,15 +230,8 @@ Workspace carve(const MoeProblem& p, void* base) {
 
 template <class C, bool MX, bool SWIGLU>
 void launch_gemm(const GemmArgs& args, int n_tiles, int64_t U, cudaStream_t stream) {
-  auto kern = gemm::grouped_gemm_kernel<C, MX, SWIGLU>;
-  static bool attr = [&] {
-    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
-               "cudaFuncSetAttribute(grouped_gemm_kernel)");
-    return true;
-  }();
-  (void)attr;
-  kern<<<dim3(n_tiles, static_cast<unsigned>(U)), C::kThreads, C::kSmem, stream>>>(args);
-  check_launch("grouped_gemm_kernel");
+  gemm::launch_grouped_gemm<C, MX, SWIGLU>(args, dim3(n_tiles, static_cast<unsigned>(U)), stream,
+                                           "grouped_gemm_kernel (moe)");
 }
 
 template <template <bool> class Cfg>
