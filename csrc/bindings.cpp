@@ -13,7 +13,9 @@
 #include "common/cuda_utils.h"
 #include "gemm/fp8_linear.h"
 #include "kvcache/kvcache.h"
+#include "indexer/indexer.h"
 #include "mhc/mhc.h"
+#include "norm/rows.h"
 #include "moe/moe.h"
 #include "topk/topk.h"
 
@@ -149,15 +151,17 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "topk",
       [](ptr_t x, int dtype, int64_t B, int64_t N, int64_t ld, int k, ptr_t lengths,
-         ptr_t values, ptr_t indices, bool idx64, bool sorted, ptr_t stream, int device) {
+         ptr_t values, ptr_t indices, bool idx64, bool sorted, ptr_t stream, ptr_t slot_map, int64_t map_ld,
+         ptr_t map_rows, int device) {
         DeviceGuard guard(device);
         deepfuse::topk(P(x), static_cast<deepfuse::TopkDtype>(dtype), B, N, ld, k,
                        P<const int32_t>(lengths), P(values), P(indices), idx64, sorted,
-                       deepfuse::as_stream(stream));
+                       deepfuse::as_stream(stream), P<const int64_t>(slot_map), map_ld, P<const int64_t>(map_rows));
       },
       py::arg("x"), py::arg("dtype"), py::arg("B"), py::arg("N"), py::arg("ld"), py::arg("k"),
       py::arg("lengths"), py::arg("values"), py::arg("indices"), py::arg("idx64"),
-      py::arg("sorted"), py::arg("stream"), py::arg("device") = -1);
+      py::arg("sorted"), py::arg("stream"), py::arg("slot_map") = 0, py::arg("map_ld") = 0, py::arg("map_rows") = 0,
+      py::arg("device") = -1);
   m.def(
       "topk_plan",
       [](int dtype, int64_t B, int64_t N, int k, bool sorted, int device) {
@@ -347,4 +351,69 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("f"), py::arg("x"), py::arg("bf16"), py::arg("post"), py::arg("comb"), py::arg("out"), py::arg("T"),
       py::arg("d"), py::arg("stream"), py::arg("device") = -1);
+  m.def("norm_rope_fits", &deepfuse::norm_rope_fits, py::arg("D"));
+  m.def(
+      "norm_rope",
+      [](ptr_t x, int64_t x_ld, int64_t rows, int H, int D, ptr_t y, bool norm, ptr_t weight, float eps, ptr_t cos,
+         ptr_t sin, int half, bool inverse, int store, ptr_t pages, int64_t page_bytes, int64_t num_pages,
+         int page_size, ptr_t slots, ptr_t stream, int device) {
+        DeviceGuard guard(device);
+        const deepfuse::RowStoreArgs s{static_cast<deepfuse::RowStore>(store), P<uint8_t>(pages), page_bytes,
+                                       num_pages, page_size, P<const int64_t>(slots)};
+        deepfuse::norm_rope(P<const void>(x), x_ld, rows, H, D, P(y), norm, P<const float>(weight), eps,
+                            P<const float>(cos), P<const float>(sin), half, inverse, s, deepfuse::as_stream(stream));
+      },
+      py::arg("x"), py::arg("x_ld"), py::arg("rows"), py::arg("H"), py::arg("D"), py::arg("y"), py::arg("norm"),
+      py::arg("weight"), py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("half"), py::arg("inverse"),
+      py::arg("store"), py::arg("pages"), py::arg("page_bytes"), py::arg("num_pages"), py::arg("page_size"),
+      py::arg("slots"), py::arg("stream"), py::arg("device") = -1);
+  m.def("compress_fits", &deepfuse::compress_fits, py::arg("D"));
+  m.def(
+      "compress_store",
+      [](ptr_t kv, ptr_t score, int64_t ld, ptr_t state_kv, ptr_t state_score, int64_t state_ld, ptr_t ape,
+         ptr_t src_fresh, ptr_t src_state, ptr_t src_ape, ptr_t src_is_fresh, ptr_t src_valid, int64_t nb, int L,
+         int r, int D, bool overlap, ptr_t norm_weight, float eps, ptr_t cos, ptr_t sin, int half, ptr_t y,
+         int store, ptr_t pages, int64_t page_bytes, int64_t num_pages, int page_size, ptr_t slots, ptr_t stream,
+         int device) {
+        DeviceGuard guard(device);
+        const deepfuse::CompressArgs a{P<const void>(kv), P<const void>(score), ld, P<const void>(state_kv),
+                                       P<const void>(state_score), state_ld, P<const float>(ape),
+                                       P<const int64_t>(src_fresh), P<const int64_t>(src_state),
+                                       P<const int64_t>(src_ape), P<const bool>(src_is_fresh),
+                                       P<const bool>(src_valid), nb, L, r, D, overlap, P<const float>(norm_weight),
+                                       eps, P<const float>(cos), P<const float>(sin), half, P(y)};
+        const deepfuse::RowStoreArgs s{static_cast<deepfuse::RowStore>(store), P<uint8_t>(pages), page_bytes,
+                                       num_pages, page_size, P<const int64_t>(slots)};
+        deepfuse::compress_store(a, s, deepfuse::as_stream(stream));
+      },
+      py::arg("kv"), py::arg("score"), py::arg("ld"), py::arg("state_kv"), py::arg("state_score"),
+      py::arg("state_ld"), py::arg("ape"), py::arg("src_fresh"), py::arg("src_state"), py::arg("src_ape"),
+      py::arg("src_is_fresh"), py::arg("src_valid"), py::arg("nb"), py::arg("L"), py::arg("r"), py::arg("D"),
+      py::arg("overlap"), py::arg("norm_weight"), py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("half"),
+      py::arg("y"), py::arg("store"), py::arg("pages"), py::arg("page_bytes"), py::arg("num_pages"),
+      py::arg("page_size"), py::arg("slots"), py::arg("stream"), py::arg("device") = -1);
+  m.def(
+      "state_store",
+      [](ptr_t kv, ptr_t score, int64_t ld, int64_t N, int w, ptr_t state_kv, ptr_t state_score, int64_t state_ld,
+         ptr_t slots, ptr_t stream, int device) {
+        DeviceGuard guard(device);
+        deepfuse::state_store(P<const void>(kv), P<const void>(score), ld, N, w, P(state_kv), P(state_score),
+                              state_ld, P<const int64_t>(slots), deepfuse::as_stream(stream));
+      },
+      py::arg("kv"), py::arg("score"), py::arg("ld"), py::arg("N"), py::arg("w"), py::arg("state_kv"),
+      py::arg("state_score"), py::arg("state_ld"), py::arg("slots"), py::arg("stream"), py::arg("device") = -1);
+  m.def(
+      "indexer_logits_paged",
+      [](ptr_t q, ptr_t weights, ptr_t pages, int64_t page_bytes, int64_t num_pages, int page_size, ptr_t slots,
+         int64_t slots_ld, ptr_t token_req, ptr_t n_vis, int64_t N, int C, float scale, ptr_t out, ptr_t stream,
+         int device) {
+        DeviceGuard guard(device);
+        deepfuse::indexer_logits_paged(P<const void>(q), P<const float>(weights), P<const uint8_t>(pages),
+                                       page_bytes, num_pages, page_size, P<const int64_t>(slots), slots_ld,
+                                       P<const int64_t>(token_req), P<const int32_t>(n_vis), N, C, scale,
+                                       P<float>(out), deepfuse::as_stream(stream));
+      },
+      py::arg("q"), py::arg("weights"), py::arg("pages"), py::arg("page_bytes"), py::arg("num_pages"),
+      py::arg("page_size"), py::arg("slots"), py::arg("slots_ld"), py::arg("token_req"), py::arg("n_vis"),
+      py::arg("N"), py::arg("C"), py::arg("scale"), py::arg("out"), py::arg("stream"), py::arg("device") = -1);
 }

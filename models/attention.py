@@ -17,7 +17,8 @@ them unrounded. The FP8 serving cache of the engine is a later, separate choice.
 
 forward() is the full forward of [B, T] sequences from position 0 (no cache); step() is one
 engine step over a flat token batch with the engine's paged caches (engine/context.py says
-where each row lives): this step's window rows go to scratch slots, the compressors add the
+where each row lives): this step's window rows go to scratch slots (norm, RoPE, FP8 and the
+store fused: ops.norm_rope_store), the compressors add the
 rows of the blocks the step completes, the indexer picks CSA rows, then one
 ops.sparse_attention_paged call reads the window and the compressed rows with the inverse
 RoPE applied to its output; the last window rows of each request go to its ring after it.
@@ -60,13 +61,11 @@ class Attention(nn.Module):
     def rope_kind(self) -> str:
         return "main" if self.layer_type == SWA else "compress"
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        H, D, eps = self.n_heads, self.head_dim, self.cfg.rms_norm_eps
+    def _q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         qr = self.q_norm(self.wq_a(x))
-        q = ops.rms_norm(self.wq_b(qr).unflatten(-1, (H, D)), None, eps)
-        q = ops.rope(q, cos, sin)
-        kv = ops.rope(self.kv_norm(self.wkv(x)), cos, sin)
-        return qr, q, kv
+        q = ops.norm_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), None, self.cfg.rms_norm_eps,
+                          cos, sin)
+        return qr, q
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
         G, H, D = self.o_groups, self.n_heads, self.head_dim
@@ -79,7 +78,8 @@ class Attention(nn.Module):
         D, W = self.head_dim, self.window
         cos, sin = rope(positions)
         cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
-        qr, q, rows = self._qkv(x, cos, sin)
+        qr, q = self._q(x, cos, sin)
+        rows = ops.norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
         t = torch.arange(T, device=x.device).unsqueeze(1)
         w = torch.arange(W, device=x.device).unsqueeze(0)
         win = t - W + 1 + w  # row of position p - W + 1 + w
@@ -101,9 +101,10 @@ class Attention(nn.Module):
     def step(self, x: torch.Tensor, ctx, cache, rope: RopeTable) -> torch.Tensor:
         """One engine step: x [N, d] (attn_norm-ed) of the flat batch -> [N, d]."""
         cos, sin = ctx.rope(self.rope_kind, rope)
-        qr, q, kv = self._qkv(x, cos, sin)
+        qr, q = self._q(x, cos, sin)
         win = ctx.window
-        cache.store_window(kv, win.scratch_slots)
+        kv = ops.norm_rope_store(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache.window_target(),
+                                 win.scratch_slots)
         extra = {}
         if self.compressor is not None:
             plan = ctx.plans[(self.ratio, self.indexer is not None)]

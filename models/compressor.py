@@ -12,8 +12,9 @@ transformers oracle, which we follow, runs them in the model dtype with an fp32 
 
 forward() compresses a whole sequence from position 0 (the full forward); step() does one
 engine step over a flat batch: it pools the blocks the step completes from the request's
-state ring (positions before the step) and this step's projections, stores the new rows in
-the cache and keeps each request's last R projections in its state ring (plan: engine/context.py).
+state ring (positions before the step) and this step's projections, normalises, rotates and
+stores the new rows in the cache (one ops.compress_store) and keeps each request's last R
+projections in its state ring (ops.state_store; plan: engine/context.py).
 """
 from __future__ import annotations
 
@@ -64,19 +65,10 @@ class Compressor(nn.Module):
     def step(self, x: torch.Tensor, plan, cache, name: str, rope: RopeTable) -> None:
         """x [N, d] of a flat step; plan: its CompressPlan; cache: the layer's LayerCacheView,
         whose state `name` ("attn" / "index") is used and whose rows of that name are written."""
-        r, D = self.ratio, self.head_dim
         kv, score = self.wkv(x), self.wgate(x)
+        skv, ssc = cache.states[name]
         if plan.num_blocks:
-            skv, ssc = cache.states[name]
-            fresh = plan.src_is_fresh.unsqueeze(-1)
-            bk = torch.where(fresh, kv[plan.src_fresh], skv[plan.src_state])
-            bs = torch.where(fresh, score[plan.src_fresh], ssc[plan.src_state]).float() + self.ape[plan.src_ape]
-            if self.overlap:  # rows 0..r-1: the previous block's first halves; r..2r-1: own second halves
-                bk = torch.cat([bk[:, :r, :D], bk[:, r:, D:]], dim=1)
-                bs = torch.cat([bs[:, :r, :D], bs[:, r:, D:]], dim=1)
-            valid = plan.src_valid.unsqueeze(-1)
-            rows = self.norm(ops.compress_pool(bk.masked_fill(~valid, 0), bs.masked_fill(~valid, float("-inf"))))
             cos, sin = rope(plan.blk_pos)
-            rows = ops.rope(rows, cos, sin)
-            (cache.store_compressed if name == "attn" else cache.store_index)(rows, plan.blk_slot)
-        cache.store_state(name, kv, score, plan.state_slots)
+            ops.compress_store(kv, score, skv, ssc, self.ape, plan, self.norm.weight, self.norm.eps, cos, sin,
+                               cache.target(name))
+        ops.state_store(kv, score, skv, ssc, plan.state_slots)

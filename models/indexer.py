@@ -61,7 +61,9 @@ class Indexer(nn.Module):
 
     def step(self, x: torch.Tensor, qr: torch.Tensor, ctx, plan, cache, rope: RopeTable):
         """One flat step: x [N, d], qr [N, q_lora_rank] -> cache slots [N, k] of the selected
-        compressed rows (-1 = none), or None when no request of the step has an entry yet."""
+        compressed rows (-1 = none), or None when no request of the step has an entry yet.
+        Scores over the paged keys (ops.indexer_logits_paged), the top-k written as slots
+        (ops.topk_slots)."""
         self.compressor.step(x, plan, cache, "index", rope)
         C = plan.max_entries
         if C == 0:
@@ -70,12 +72,13 @@ class Indexer(nn.Module):
         cos, sin = ctx.rope("compress", rope)
         q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
         w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        slots = plan.entry_slots[ctx.token_req]  # [N, C] the keys of each token's request
-        scores = torch.empty(N, C, dtype=torch.float32, device=x.device)
-        chunk = max(1, (1 << 24) // (C * self.head_dim))
+        k = min(self.topk, C)
+        sel = torch.empty(N, k, dtype=torch.int64, device=x.device)
+        chunk = max(1, (1 << 25) // C)  # tokens per launch pair: bounds the [tokens, C] scores
         for t0 in range(0, N, chunk):
             t1 = min(N, t0 + chunk)
-            k = cache.index_keys(slots[t0:t1])
-            scores[t0:t1] = ops.indexer_scores(q[t0:t1, None], k, w[t0:t1, None], self.head_dim ** -0.5)[:, 0]
-        sel = select_topk(scores, min(self.topk, C), plan.n_vis)
-        return torch.where(sel >= 0, slots.gather(1, sel.clamp(min=0)), -1)
+            req = ctx.token_req[t0:t1]
+            scores = ops.indexer_logits_paged(q[t0:t1], w[t0:t1], cache.index, cache.page_size, plan.entry_slots,
+                                              req, plan.n_vis[t0:t1], self.head_dim ** -0.5)
+            sel[t0:t1] = ops.topk_slots(scores, k, plan.n_vis[t0:t1], plan.entry_slots, req)
+        return sel

@@ -978,6 +978,7 @@ __device__ __forceinline__ void topk_row(const Params& P, int64_t row, int rank,
     o.indices = P.idx64 ? static_cast<void*>(static_cast<int64_t*>(P.indices) + row * P.k)
                         : static_cast<void*>(static_cast<int32_t*>(P.indices) + row * P.k);
     o.sel = sel;
+    o.map = P.slot_map ? P.slot_map + (P.map_rows ? __ldg(P.map_rows + row) : int64_t(row)) * P.map_ld : nullptr;
     o.idx64 = P.idx64 != 0;
     o.sorted = P.sorted != 0;
     return o;
@@ -1195,14 +1196,16 @@ TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, bo
 
 void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int k,
           const int32_t* lengths, void* values, void* indices, bool idx64, bool sorted,
-          cudaStream_t stream) {
+          cudaStream_t stream, const int64_t* slot_map, int64_t map_ld, const int64_t* map_rows) {
   if (B <= 0) return;
+  if (slot_map != nullptr && !idx64) throw std::runtime_error("deepfuse: topk: a slot map needs int64 indices");
   if (k < 1 || k > kTopkMaxK) throw std::runtime_error("deepfuse: topk: k must be in [1, 4096]");
   if (N < 0 || N >= (int64_t{1} << 31)) throw std::runtime_error("deepfuse: topk: N must be < 2^31");
   const int64_t esize = dtype == TopkDtype::kF32 ? 4 : 2;
   const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && (ld * esize) % 16 == 0;
   const TopkPlan plan = topk_plan(dtype, B, N, k, sorted, aligned);
-  const TopkArgs args{x, ld, lengths, values, indices, static_cast<int>(N), k, idx64, sorted};
+  const TopkArgs args{x, ld, lengths, values, indices, static_cast<int>(N), k, idx64, sorted, slot_map, map_ld,
+                      map_rows};
   if (plan.kernel == 1) {
     set_smem_attributes();
     topk_rows(args, dtype, B, stream);

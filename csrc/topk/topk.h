@@ -15,9 +15,12 @@ constexpr int kTopkMaxK = 4096;
 // indices: [B, k] contiguous, int64 if idx64 else int32. 1 <= k <= 4096.
 // Slots [min(k, L_b), k) of a row get index -1 and value -inf. sorted: descending values.
 // Launches one kernel on `stream`; no allocation, no synchronisation.
+// slot_map (optional, needs idx64): row b's indices are written as the slots
+// slot_map[m * map_ld + index] with m = map_rows[b] (map_rows null: m = b); padding stays -1.
 void topk(const void* x, TopkDtype dtype, int64_t B, int64_t N, int64_t ld, int k,
           const int32_t* lengths, void* values, void* indices, bool idx64, bool sorted,
-          cudaStream_t stream);
+          cudaStream_t stream, const int64_t* slot_map = nullptr, int64_t map_ld = 0,
+          const int64_t* map_rows = nullptr);
 
 // The launch plan topk() uses (for tests and benchmarks): CTAs per row (a thread-block
 // cluster when > 1), threads per CTA, the dynamic shared memory per CTA in bytes, and the
@@ -45,6 +48,9 @@ struct TopkArgs {
   void* values;
   void* indices;
   int N, k, idx64, sorted;
+  const int64_t* slot_map = nullptr;
+  int64_t map_ld = 0;
+  const int64_t* map_rows = nullptr;
 };
 
 // Short rows (topk_rows.cu), used by topk(): whether a shape fits when rows are aligned,

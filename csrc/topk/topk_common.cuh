@@ -130,6 +130,7 @@ struct Out {
   Raw* values;              // row start or null
   void* indices;            // row start
   unsigned long long* sel;  // sorted: rank 0's pair buffer (maybe remote)
+  const int64_t* map;       // row's slot map or null: index e is written as map[e]
   bool idx64, sorted;
 
   __device__ __forceinline__ void emit(uint32_t pos, int e, uint32_t raw, uint32_t key) const {
@@ -138,7 +139,9 @@ struct Out {
       return;
     }
     if (values) values[pos] = static_cast<Raw>(raw);
-    if (idx64) {
+    if (map) {
+      static_cast<int64_t*>(indices)[pos] = __ldg(map + e);
+    } else if (idx64) {
       static_cast<int64_t*>(indices)[pos] = e;
     } else {
       static_cast<int32_t*>(indices)[pos] = e;

@@ -275,7 +275,8 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const TopkArgs P) {
   o.indices = P.idx64 ? static_cast<void*>(static_cast<int64_t*>(P.indices) + row * P.k)
                       : static_cast<void*>(static_cast<int32_t*>(P.indices) + row * P.k);
   o.sel = sel;
-  o.idx64 = P.idx64 != 0;
+  o.map = P.slot_map ? P.slot_map + (P.map_rows ? __ldg(P.map_rows + row) : int64_t(row)) * P.map_ld : nullptr;
+    o.idx64 = P.idx64 != 0;
   o.sorted = P.sorted != 0;
   // A NaN's key drops its payload: its bits are read again.
   auto put = [&](uint32_t pos, int q) {

@@ -54,37 +54,17 @@ class LayerCacheView:
         else:
             _dense_store(pages, rows, slots)
 
+    def window_target(self) -> ops.RowTarget:
+        return ops.RowTarget(self.ring, "kv_fp8" if self.fp8 else "dense", self.ring_page_size)
+
+    def target(self, name: str) -> ops.RowTarget:
+        """The pages the compressor `name` ("attn" / "index") stores its rows in."""
+        if name == "attn":
+            return ops.RowTarget(self.comp, "kv_fp8" if self.fp8 else "dense", self.page_size)
+        return ops.RowTarget(self.index, "idx_fp8" if self.fp8 else "dense", self.page_size)
+
     def store_window(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         self._store_kv(self.ring, self.ring_page_size, rows, slots)
-
-    def store_compressed(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        self._store_kv(self.comp, self.page_size, rows, slots)
-
-    def store_index(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        if self.fp8:
-            ops.indexer_key_store(F.IndexerKeyPages(F.IndexerKeyFormat(self.page_size, "fp8"), self.index.unsqueeze(0)),
-                                  slots, keys.to(torch.bfloat16))
-        else:
-            _dense_store(self.index, keys, slots)
-
-    def index_keys(self, slots: torch.Tensor) -> torch.Tensor:
-        """fp32 keys [*slots.shape, Di] (rows of negative slots are zeros)."""
-        valid = slots >= 0
-        s = slots.clamp(min=0)
-        if self.fp8:
-            ik = F.IndexerKeyPages(F.IndexerKeyFormat(self.page_size, "fp8"), self.index.unsqueeze(0))
-            page, row = torch.div(s, self.page_size, rounding_mode="floor"), s.remainder(self.page_size)
-            keys = ik.keys()[0][page, row].float() * ik.scales()[0][page, row].unsqueeze(-1)
-        else:
-            keys = self.index.view(-1, self.index.shape[-1])[s].float()
-        return keys.masked_fill(~valid.unsqueeze(-1), 0.0)
-
-    def store_state(self, name: str, kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor) -> None:
-        skv, ssc = self.states[name]
-        trash = skv.shape[0] - 1
-        s = torch.where(slots >= 0, slots, trash)
-        skv.index_copy_(0, s, kv.to(skv.dtype))
-        ssc.index_copy_(0, s, score.to(ssc.dtype))
 
 
 @dataclass

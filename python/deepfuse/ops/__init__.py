@@ -10,7 +10,7 @@ from deepfuse.ops.cast import (
     pack_ue8m0,
     unpack_ue8m0,
 )
-from deepfuse.ops.topk import topk
+from deepfuse.ops.topk import topk, topk_slots
 from deepfuse.ops.kvcache import (
     indexer_key_dequant,
     indexer_key_store,
@@ -22,12 +22,13 @@ from deepfuse.ops.kvcache import (
 )
 
 from deepfuse.ops.attention import sparse_attention, sparse_attention_paged
-from deepfuse.ops.compressor import compress_pool
-from deepfuse.ops.indexer import indexer_scores
+from deepfuse.ops.compressor import compress_pool, compress_store, state_store
+from deepfuse.ops.indexer import indexer_logits_paged, indexer_scores
 from deepfuse.ops.linear import grouped_linear, mxfp4_cast, mxfp4_dequant, quant_linear, set_activation_quant
 from deepfuse.ops.mhc import hc_head, hc_post, hc_pre
 from deepfuse.ops.moe import moe_experts, moe_route, swiglu
-from deepfuse.ops.norm import rms_norm
+from deepfuse.ops.kvcache import RowTarget
+from deepfuse.ops.norm import norm_rope, norm_rope_store, rms_norm
 from deepfuse.ops.rope import rope
 
 __all__ = [
@@ -50,6 +51,10 @@ __all__ = [
     # model-graph ops (references; kernels drop in behind the same names)
     "rms_norm",
     "rope",
+    "norm_rope",
+    "norm_rope_store",
+    "RowTarget",
+    "topk_slots",
     "hc_pre",
     "hc_post",
     "hc_head",
@@ -57,6 +62,9 @@ __all__ = [
     "sparse_attention_paged",
     "indexer_scores",
     "compress_pool",
+    "compress_store",
+    "state_store",
+    "indexer_logits_paged",
     "quant_linear",
     "set_activation_quant",
     "grouped_linear",

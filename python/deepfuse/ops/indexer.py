@@ -5,11 +5,21 @@ Semantics (the reference defines them), in fp32:
 q: [B, S, H, Di], k: [B, C, Di] (compressed indexer keys), weights: [B, S, H] -> [B, S, C].
 Causality (entry c visible to the query at position p iff c < (p + 1) // ratio) and the
 top-k selection are applied by the caller.
+
+indexer_logits_paged (the engine's step): the same scores of flat tokens q [N, H, Di] against
+the keys of their requests in one layer's indexer key pages (kv_format: FP8 rows of 128 e4m3
++ fp32 scale, or dense [P, page_size, 128] rows): key e of token t is the row at slot
+entry_slots[token_req[t], e] (slot < 0: a zero key), out [N, C] fp32 with -inf for
+e >= n_vis[t]. CUDA (csrc/indexer, FP8 pages, H = 64, Di = 128, bf16 q): fp16 MMAs of q
+against the e4m3 codes, the key scale, ReLU and head weights fused; q is rounded to fp16 (exact
+for |q| in [2^-14, 65504]), so the kernel matches the reference to fp32 accumulation order.
 """
 from __future__ import annotations
 
 import torch
 
+from deepfuse import _ext
+from deepfuse import kv_format as F
 from deepfuse.ops._checks import check_tensor
 from deepfuse.ops._registry import op
 
@@ -50,3 +60,87 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scal
         raise ValueError(f"deepfuse: {op}: k must have shape [{B}, C, {Di}], got {list(k.shape)}")
     check_tensor(op, "weights", weights, dtypes=_FLOATS, shape=(B, S, H), device=q.device)
     return torch.ops.deepfuse.indexer_scores(q, k, weights, float(scale))
+
+
+def _paged_keys(pages: torch.Tensor, page_size: int, slots: torch.Tensor) -> torch.Tensor:
+    """fp32 keys [*slots.shape, Di] of one layer's pages (zeros for negative slots)."""
+    valid = slots >= 0
+    s = slots.clamp(min=0)
+    if pages.dtype == torch.uint8:
+        ik = F.IndexerKeyPages(F.IndexerKeyFormat(page_size, "fp8"), pages.unsqueeze(0))
+        page, row = torch.div(s, page_size, rounding_mode="floor"), s.remainder(page_size)
+        keys = ik.keys()[0][page, row].float() * ik.scales()[0][page, row].unsqueeze(-1)
+    else:
+        keys = pages.reshape(-1, pages.shape[-1])[s].float()
+    return keys.masked_fill(~valid.unsqueeze(-1), 0.0)
+
+
+def indexer_logits_paged_ref(q, weights, pages, page_size: int, entry_slots, token_req, n_vis, scale: float):
+    N, H, Di = q.shape
+    C = entry_slots.shape[1]
+    out = torch.empty(N, C, dtype=torch.float32, device=q.device)
+    chunk = max(1, (1 << 24) // max(1, C * Di))
+    for t0 in range(0, N, chunk):
+        t1 = min(N, t0 + chunk)
+        k = _paged_keys(pages, page_size, entry_slots[token_req[t0:t1]])
+        out[t0:t1] = indexer_scores_ref(q[t0:t1, None], k, weights[t0:t1, None], scale)[:, 0]
+    cols = torch.arange(C, device=q.device)
+    return out.masked_fill(cols[None, :] >= n_vis[:, None].to(torch.int64), float("-inf"))
+
+
+@op("indexer_logits_paged")
+def _indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, pages: torch.Tensor, page_size: int,
+                          entry_slots: torch.Tensor, token_req: torch.Tensor, n_vis: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    return indexer_logits_paged_ref(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale)
+
+
+@_indexer_logits_paged.register_kernel("cuda")
+def _(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale):
+    N, H, Di = q.shape
+    ok = (_ext.has_cuda_kernels() and pages.dtype == torch.uint8 and H == 64 and Di == 128
+          and q.dtype == torch.bfloat16 and weights.dtype == torch.float32 and entry_slots.dtype == torch.int64
+          and entry_slots.stride(1) == 1 and token_req.dtype == torch.int64 and n_vis.dtype == torch.int32)
+    if not ok:
+        return indexer_logits_paged_ref(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale)
+    C = entry_slots.shape[1]
+    out = torch.empty(N, C, dtype=torch.float32, device=q.device)
+    if N and C:
+        qc, wc = q.contiguous(), weights.contiguous()
+        _ext.ext(q.device).indexer_logits_paged(
+            qc.data_ptr(), wc.data_ptr(), pages.data_ptr(), pages.shape[1], pages.shape[0], page_size,
+            entry_slots.data_ptr(), entry_slots.stride(0), token_req.contiguous().data_ptr(),
+            n_vis.contiguous().data_ptr(), N, C, float(scale), out.data_ptr(), _ext.stream(q.device))
+    return out
+
+
+@_indexer_logits_paged.register_fake
+def _(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale):
+    return q.new_empty(q.shape[0], entry_slots.shape[1], dtype=torch.float32)
+
+
+def indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, pages: torch.Tensor, page_size: int,
+                         entry_slots: torch.Tensor, token_req: torch.Tensor, n_vis: torch.Tensor,
+                         scale: float = 1.0) -> torch.Tensor:
+    """Index scores [N, C] of flat tokens against their requests' paged keys (module doc).
+    q [N, H, Di], weights [N, H]; pages: one layer's indexer key pages (uint8 [P, page_size *
+    132] or [P, page_size, Di]); entry_slots int64 [B, C]; token_req int64 [N]; n_vis int32 [N]."""
+    op_name = "indexer_logits_paged"
+    check_tensor(op_name, "q", q, dtypes=_FLOATS, ndim=3)
+    N, H, Di = q.shape
+    dev = q.device
+    check_tensor(op_name, "weights", weights, dtypes=_FLOATS, shape=(N, H), device=dev)
+    if pages.dtype == torch.uint8:
+        if Di != F.IDX_DIM:
+            raise ValueError(f"deepfuse: {op_name}: FP8 key pages hold {F.IDX_DIM}-dim keys, q has {Di}")
+        check_tensor(op_name, "pages", pages, ndim=2, device=dev, contiguous=True)
+        if pages.shape[1] != page_size * F.IDX_ROW_BYTES:
+            raise ValueError(f"deepfuse: {op_name}: pages must be [P, {page_size} * {F.IDX_ROW_BYTES}], "
+                             f"got {list(pages.shape)}")
+    else:
+        check_tensor(op_name, "pages", pages, dtypes=_FLOATS, shape=(pages.shape[0], page_size, Di), device=dev)
+    check_tensor(op_name, "entry_slots", entry_slots, dtypes=(torch.int64,), ndim=2, device=dev)
+    check_tensor(op_name, "token_req", token_req, dtypes=(torch.int64,), shape=(N,), device=dev)
+    check_tensor(op_name, "n_vis", n_vis, dtypes=(torch.int32,), shape=(N,), device=dev)
+    return torch.ops.deepfuse.indexer_logits_paged(q, weights, pages, int(page_size), entry_slots, token_req, n_vis,
+                                                   float(scale))

@@ -530,3 +530,63 @@ def indexer_key_dequant(cache: IndexerKeyPages) -> torch.Tensor:
     if cache.fmt.dtype == "bf16":
         return cache.data.float()
     return cache.keys().float() * cache.scales()[..., None]
+
+
+# ----------------------------------------------------------------------------- row targets
+# Where a fused kernel (ops.norm_rope_store, ops.compress_store) stores its rows: one
+# layer's pages of a cache in one of the kv_format formats.
+ROW_STORE_KINDS = {"kv_fp8": 1, "idx_fp8": 2, "idx_fp8_ue8m0": 3, "dense": 4}
+
+
+class RowTarget:
+    """One layer's pages and their format. kind: "kv_fp8" (uint8 [P, page_size * 584]),
+    "idx_fp8" / "idx_fp8_ue8m0" (uint8 [P, page_size * 132], fp32 / power-of-two scales) or
+    "dense" ([P, page_size, D] rows of any float dtype; its last page is the trash page:
+    slot -1 stores land there)."""
+
+    __slots__ = ("pages", "kind", "page_size")
+
+    def __init__(self, pages: torch.Tensor, kind: str, page_size: int):
+        self.pages, self.kind, self.page_size = pages, kind, page_size
+
+    def check(self, op: str, D: int, device) -> None:
+        check_choice(op, "target kind", self.kind, tuple(ROW_STORE_KINDS))
+        fp8 = self.kind != "dense"
+        dims = {"kv_fp8": F.KV_DIM, "idx_fp8": F.IDX_DIM, "idx_fp8_ue8m0": F.IDX_DIM}
+        if fp8 and D != dims[self.kind]:
+            raise ValueError(f"deepfuse: {op}: {self.kind} rows must be {dims[self.kind]} wide, got {D}")
+        row_bytes = F.KV_ROW_BYTES if self.kind == "kv_fp8" else F.IDX_ROW_BYTES
+        if fp8:
+            check_tensor(op, "target pages", self.pages, dtypes=(torch.uint8,), ndim=2, device=device,
+                         contiguous=True)
+            if self.pages.shape[1] != self.page_size * row_bytes:
+                raise ValueError(f"deepfuse: {op}: target pages must be [P, {self.page_size} * {row_bytes}], "
+                                 f"got {list(self.pages.shape)}")
+        else:
+            check_tensor(op, "target pages", self.pages, ndim=3, device=device, contiguous=True)
+            if tuple(self.pages.shape[1:]) != (self.page_size, D):
+                raise ValueError(f"deepfuse: {op}: dense target pages must be [P, {self.page_size}, {D}], "
+                                 f"got {list(self.pages.shape)}")
+
+    def kernel_ok(self) -> bool:
+        return self.kind != "dense" or self.pages.dtype == torch.bfloat16
+
+    def launch_args(self) -> tuple:
+        """(store kind, pages ptr, page_bytes, num_pages, page_size) for the _C launchers."""
+        p = self.pages
+        return (ROW_STORE_KINDS[self.kind], p.data_ptr(), p[0].numel() * p.element_size(), p.shape[0],
+                self.page_size)
+
+
+def store_rows_ref(target: RowTarget, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """The reference store of rows [N, D] at slots [N] (negative: skipped / the trash page)."""
+    if target.kind == "kv_fp8":
+        kv_store(KVPages(F.KVFormat(target.page_size, "fp8"), target.pages.unsqueeze(0)), slots,
+                 rows.to(torch.bfloat16))
+    elif target.kind in ("idx_fp8", "idx_fp8_ue8m0"):
+        fmt = F.IndexerKeyFormat(target.page_size, "fp8", "fp32" if target.kind == "idx_fp8" else "ue8m0")
+        indexer_key_store(IndexerKeyPages(fmt, target.pages.unsqueeze(0)), slots, rows.to(torch.bfloat16))
+    else:
+        flat = target.pages.view(-1, target.pages.shape[-1])
+        trash = flat.shape[0] - 1
+        flat.index_copy_(0, torch.where(slots >= 0, slots, trash), rows.to(flat.dtype))

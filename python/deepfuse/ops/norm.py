@@ -1,8 +1,18 @@
-"""RMSNorm, with or without a weight.
+"""RMSNorm, with or without a weight, and its fusions with RoPE and the cache stores.
 
-Semantics (the reference defines them): y = x * rsqrt(mean(x^2, -1) + eps) [* weight],
-computed in fp32 and cast back to x.dtype once. The weight is read in fp32 (V4 keeps norm
-weights in fp32).
+Semantics (the references define them):
+- rms_norm: y = x * rsqrt(mean(x^2, -1) + eps) [* weight], computed in fp32 and cast back to
+  x.dtype once. The weight is read in fp32 (V4 keeps norm weights in fp32).
+- norm_rope(x, weight, eps, cos, sin) = rope(rms_norm(x, weight, eps), cos, sin) (each step
+  rounded to x.dtype, as the two ops are): V4's q path (per-head norm without a weight).
+- norm_rope_store(x, ..., target, slots): the same rows, also stored at `slots` of one
+  layer's cache pages (ops.kvcache.RowTarget: the KV row or indexer key formats, or dense
+  rows), as the cache's store op would store them; returns the rows. V4's kv path.
+
+CUDA (csrc/norm): bf16 x, D % 8 == 0, D <= 4096, fp32 weight / cos / sin: one warp per row,
+the row in registers; the standalone ops and the fusions run the same device code, so a
+fused store writes exactly what rms_norm + rope + kv_store write. Other inputs run the
+references.
 """
 from __future__ import annotations
 
@@ -10,8 +20,11 @@ from typing import Optional
 
 import torch
 
+from deepfuse import _ext
 from deepfuse.ops._checks import check_tensor
 from deepfuse.ops._registry import op
+from deepfuse.ops.kvcache import RowTarget, store_rows_ref
+from deepfuse.ops.rope import rope_ref
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -24,10 +37,49 @@ def rms_norm_ref(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) ->
     return y.to(x.dtype)
 
 
-# no kernel yet: the op's body (the reference) also serves CUDA tensors.
+def norm_rope_ref(x, weight, eps, cos, sin):
+    return rope_ref(rms_norm_ref(x, weight, eps), cos, sin, False)
+
+
+# ----------------------------------------------------------------------------- CUDA launcher
+def rows_kernel_ok(x: torch.Tensor, *fp32: Optional[torch.Tensor]) -> bool:
+    """Whether the row kernel serves x (and its fp32 side inputs)."""
+    return (_ext.has_cuda_kernels() and x.dtype == torch.bfloat16 and x.dim() >= 1 and x.shape[-1] % 8 == 0
+            and 0 < x.shape[-1] <= 4096
+            and all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in fp32))
+
+
+def launch_rows(x: torch.Tensor, y: Optional[torch.Tensor], *, norm: bool, weight=None, eps: float = 1e-6,
+                cos=None, sin=None, inverse: bool = False, target: Optional[RowTarget] = None, slots=None) -> None:
+    """Run csrc/norm's row kernel over x [*L, D] or [*L, H, D] (contiguous bf16; cos/sin [*L, half])."""
+    D = x.shape[-1]
+    rows = x.numel() // D
+    if rows == 0:
+        return
+    H = 1 if cos is None or x.dim() == cos.dim() else x.shape[-2]
+    store = target.launch_args() if target is not None else (0, 0, 0, 0, 0)
+    _ext.ext(x.device).norm_rope(
+        x.data_ptr(), D, rows, H, D, y.data_ptr() if y is not None else 0, norm,
+        weight.data_ptr() if weight is not None else 0, float(eps),
+        cos.data_ptr() if cos is not None else 0, sin.data_ptr() if sin is not None else 0,
+        cos.shape[-1] if cos is not None else 0, inverse, *store, slots.data_ptr() if slots is not None else 0,
+        _ext.stream(x.device))
+
+
+# ----------------------------------------------------------------------------- custom ops
 @op("rms_norm")
 def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
+
+
+@_rms_norm.register_kernel("cuda")
+def _(x, weight, eps):
+    if not rows_kernel_ok(x, weight):
+        return rms_norm_ref(x, weight, eps)
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    launch_rows(xc, y, norm=True, weight=weight, eps=eps)
+    return y
 
 
 @_rms_norm.register_fake
@@ -35,14 +87,95 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
+@op("norm_rope")
+def _norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+    return norm_rope_ref(x, weight, eps, cos, sin)
+
+
+@_norm_rope.register_kernel("cuda")
+def _(x, weight, eps, cos, sin):
+    if not rows_kernel_ok(x, weight, cos, sin):
+        return norm_rope_ref(x, weight, eps, cos, sin)
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    launch_rows(xc, y, norm=True, weight=weight, eps=eps, cos=cos, sin=sin)
+    return y
+
+
+@_norm_rope.register_fake
+def _(x, weight, eps, cos, sin):
+    return torch.empty_like(x)
+
+
+@op("norm_rope_store", "(Tensor x, Tensor? weight, float eps, Tensor cos, Tensor sin, Tensor(a!) pages, str kind, "
+                       "int page_size, Tensor slots) -> Tensor")
+def _norm_rope_store(x, weight, eps, cos, sin, pages, kind, page_size, slots):
+    y = norm_rope_ref(x, weight, eps, cos, sin)
+    store_rows_ref(RowTarget(pages, kind, page_size), y, slots)
+    return y
+
+
+@_norm_rope_store.register_kernel("cuda")
+def _(x, weight, eps, cos, sin, pages, kind, page_size, slots):
+    target = RowTarget(pages, kind, page_size)
+    D = x.shape[-1]
+    fits = D == 512 if kind == "kv_fp8" else D == 128 if kind != "dense" else D <= 512
+    if not (rows_kernel_ok(x, weight, cos, sin) and target.kernel_ok() and fits and slots.dtype == torch.int64):
+        y = norm_rope_ref(x, weight, eps, cos, sin)
+        store_rows_ref(target, y, slots)
+        return y
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    launch_rows(xc, y, norm=True, weight=weight, eps=eps, cos=cos, sin=sin, target=target, slots=slots.contiguous())
+    return y
+
+
+@_norm_rope_store.register_fake
+def _(x, weight, eps, cos, sin, pages, kind, page_size, slots):
+    return torch.empty_like(x)
+
+
+# ----------------------------------------------------------------------------- public API
+def _check_norm(op_name: str, x, weight, eps) -> None:
+    check_tensor(op_name, "x", x, dtypes=_FLOATS)
+    if x.dim() == 0:
+        raise ValueError(f"deepfuse: {op_name}: x must have at least one dimension")
+    if weight is not None:
+        check_tensor(op_name, "weight", weight, dtypes=_FLOATS, shape=(x.shape[-1],), device=x.device)
+    if not eps > 0:
+        raise ValueError(f"deepfuse: {op_name}: eps must be > 0, got {eps}")
+
+
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
     """RMS-normalise the last dimension of x ([..., D]); weight is None or [D]."""
-    op = "rms_norm"
-    check_tensor(op, "x", x, dtypes=_FLOATS)
-    if x.dim() == 0:
-        raise ValueError("deepfuse: rms_norm: x must have at least one dimension")
-    if weight is not None:
-        check_tensor(op, "weight", weight, dtypes=_FLOATS, shape=(x.shape[-1],), device=x.device)
-    if not eps > 0:
-        raise ValueError(f"deepfuse: rms_norm: eps must be > 0, got {eps}")
+    _check_norm("rms_norm", x, weight, eps)
     return torch.ops.deepfuse.rms_norm(x, weight, float(eps))
+
+
+def norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """rope(rms_norm(x, weight, eps), cos, sin): x [*L, D] or [*L, H, D], cos/sin [*L, R/2]."""
+    from deepfuse.ops.rope import check_rope
+
+    _check_norm("norm_rope", x, weight, eps)
+    check_rope("norm_rope", x, cos, sin)
+    return torch.ops.deepfuse.norm_rope(x, weight, float(eps), cos, sin)
+
+
+def norm_rope_store(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, target: RowTarget, slots: torch.Tensor) -> torch.Tensor:
+    """norm_rope of rows x [N, D], also stored at slots [N] (int64; negative: skipped) of target."""
+    from deepfuse.ops.rope import check_rope
+
+    op_name = "norm_rope_store"
+    _check_norm(op_name, x, weight, eps)
+    if x.dim() != 2:
+        raise ValueError(f"deepfuse: {op_name}: x must be [N, D], got {list(x.shape)}")
+    check_rope(op_name, x, cos, sin)
+    if not isinstance(target, RowTarget):
+        raise TypeError(f"deepfuse: {op_name}: target must be an ops.kvcache.RowTarget, got {type(target).__name__}")
+    target.check(op_name, x.shape[-1], x.device)
+    check_tensor(op_name, "slots", slots, dtypes=(torch.int64,), shape=(x.shape[0],), device=x.device)
+    return torch.ops.deepfuse.norm_rope_store(x, weight, float(eps), cos, sin, target.pages, target.kind,
+                                              int(target.page_size), slots)

@@ -5,6 +5,7 @@ form pairs (x[2i], x[2i+1]) rotated by angle a_i: (x0 c - x1 s, x1 c + x0 s), c 
 s = sin a_i, in fp32, cast back to x.dtype. inverse=True rotates by -a_i (V4 applies it to
 the attention output). The leading D - R values pass through unchanged.
 x: [*L, D] or [*L, H, D]; cos, sin: [*L, R/2] (fp32, per token).
+CUDA: the row kernel of csrc/norm (bf16 x, D % 8 == 0, D <= 4096); else the reference.
 """
 from __future__ import annotations
 
@@ -29,10 +30,21 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
     return torch.cat((x[..., : x.shape[-1] - R], rot.to(x.dtype)), dim=-1)
 
 
-# no kernel yet: the op's body (the reference) also serves CUDA tensors.
 @op("rope")
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     return rope_ref(x, cos, sin, inverse)
+
+
+@_rope.register_kernel("cuda")
+def _(x, cos, sin, inverse):
+    from deepfuse.ops.norm import launch_rows, rows_kernel_ok
+
+    if not rows_kernel_ok(x, cos, sin):
+        return rope_ref(x, cos, sin, inverse)
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    launch_rows(xc, y, norm=False, cos=cos, sin=sin, inverse=inverse)
+    return y
 
 
 @_rope.register_fake
@@ -40,10 +52,7 @@ def _(x, cos, sin, inverse):
     return torch.empty_like(x)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2 * cos.shape[-1] dims of x (interleaved pairs); see module doc."""
-    op = "rope"
-    check_tensor(op, "x", x, dtypes=_FLOATS)
+def check_rope(op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     check_tensor(op, "cos", cos, dtypes=(torch.float32,), device=x.device)
     check_tensor(op, "sin", sin, dtypes=(torch.float32,), shape=tuple(cos.shape), device=x.device)
     lead = tuple(cos.shape[:-1])
@@ -55,8 +64,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool
         ok = False
     if not ok:
         raise ValueError(
-            f"deepfuse: rope: x {list(x.shape)} must be [*L, D] or [*L, H, D] with cos/sin [*L, R/2] = {list(cos.shape)}"
+            f"deepfuse: {op}: x {list(x.shape)} must be [*L, D] or [*L, H, D] with cos/sin [*L, R/2] = {list(cos.shape)}"
         )
     if 2 * cos.shape[-1] > x.shape[-1]:
-        raise ValueError(f"deepfuse: rope: rotary dims {2 * cos.shape[-1]} exceed x.shape[-1] = {x.shape[-1]}")
+        raise ValueError(f"deepfuse: {op}: rotary dims {2 * cos.shape[-1]} exceed x.shape[-1] = {x.shape[-1]}")
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2 * cos.shape[-1] dims of x (interleaved pairs); see module doc."""
+    check_tensor("rope", "x", x, dtypes=_FLOATS)
+    check_rope("rope", x, cos, sin)
     return torch.ops.deepfuse.rope(x, cos, sin, bool(inverse))

@@ -102,6 +102,50 @@ def _(x, k, lengths, sorted, indices, values):
     return None
 
 
+@op("topk_slots", "(Tensor x, int k, Tensor lengths, Tensor slot_map, Tensor map_rows) -> Tensor")
+def _topk_slots(x, k, lengths, slot_map, map_rows):
+    _, i = topk_ref(x, k, lengths, index_dtype=torch.int64)
+    rows = slot_map[map_rows]
+    return torch.where(i >= 0, rows.gather(1, i.clamp(min=0)), -1)
+
+
+@_topk_slots.register_kernel("cuda")
+def _(x, k, lengths, slot_map, map_rows):
+    B, N = x.shape
+    out = torch.empty(B, k, dtype=torch.int64, device=x.device)
+    if B:
+        C = _ext.ext(x.device)
+        C.topk(x.data_ptr(), _DTYPES.index(x.dtype), B, N, x.stride(0) if B > 1 else N, k, lengths.data_ptr(), 0,
+               out.data_ptr(), True, False, _ext.stream(x.device), slot_map=slot_map.data_ptr(),
+               map_ld=slot_map.stride(0), map_rows=map_rows.data_ptr())
+    return out
+
+
+@_topk_slots.register_fake
+def _(x, k, lengths, slot_map, map_rows):
+    return x.new_empty(x.shape[0], k, dtype=torch.int64)
+
+
+def topk_slots(x: torch.Tensor, k: int, lengths: torch.Tensor, slot_map: torch.Tensor,
+               map_rows: torch.Tensor) -> torch.Tensor:
+    """Top-k of each row of x [B, N] among its first lengths[b] entries, written as slots:
+    int64 [B, k] = slot_map[map_rows[b], index] (unsorted; padding -1). slot_map: int64 [M, >= N]
+    (last dim contiguous), map_rows: int64 [B] in [0, M). The DSA indexer's selection, written
+    as the cache slots the attention op reads."""
+    name = "topk_slots"
+    check_tensor(name, "x", x, dtypes=_DTYPES, ndim=2, last_dim_contiguous=True)
+    check_int(name, "k", k, lo=1, hi=MAX_K)
+    B, N = x.shape
+    if x.stride(0) < 0:
+        raise ValueError(f"deepfuse: {name}: x must have a non-negative row stride (strides {x.stride()})")
+    check_tensor(name, "lengths", lengths, dtypes=(torch.int32,), shape=(B,), device=x.device, contiguous=True)
+    check_tensor(name, "slot_map", slot_map, dtypes=(torch.int64,), ndim=2, device=x.device, last_dim_contiguous=True)
+    if slot_map.shape[1] < N:
+        raise ValueError(f"deepfuse: {name}: slot_map must have >= {N} columns, got {list(slot_map.shape)}")
+    check_tensor(name, "map_rows", map_rows, dtypes=(torch.int64,), shape=(B,), device=x.device, contiguous=True)
+    return torch.ops.deepfuse.topk_slots(x, k, lengths, slot_map, map_rows)
+
+
 def launch_plan(dtype: torch.dtype, B: int, N: int, k: int, sorted: bool = False) -> tuple[int, int, int, int]:
     """The CUDA kernel's plan for a shape with 16-byte aligned rows (needs a GPU): (CTAs per
     row, threads per CTA, shared memory bytes per CTA, kernel: 0 general, 1 short rows)."""

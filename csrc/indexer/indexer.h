@@ -1,0 +1,24 @@
+// Lightning-indexer logits over the paged FP8 indexer keys (V4 CSA layers).
+// Semantics: deepfuse/ops/indexer.py (indexer_logits_paged_ref). No allocation, no sync.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace deepfuse {
+
+constexpr int kIndexerHeads = 64;
+constexpr int kIndexerDim = 128;
+
+// q bf16 [N, 64, 128] (contiguous), weights fp32 [N, 64]; key pages of one layer in the
+// FP8 indexer-key format (page_bytes = page_size * 132); entry e of token t's request is the
+// key at slot entry_slots[token_req[t] * slots_ld + e]. out fp32 [N, C] (row stride C):
+// out[t, e] = scale * s_e * sum_h w[t, h] relu(q[t, h] . code_e) for e < min(n_vis[t], C)
+// (s_e, code_e: the key's scale and e4m3 codes; an entry with slot < 0 scores 0), -inf
+// beyond. q is rounded to fp16 for the MMA (exact for |q| in [2^-14, 65504]).
+void indexer_logits_paged(const void* q, const float* weights, const uint8_t* pages, int64_t page_bytes,
+                          int64_t num_pages, int page_size, const int64_t* entry_slots, int64_t slots_ld,
+                          const int64_t* token_req, const int32_t* n_vis, int64_t N, int C, float scale, float* out,
+                          cudaStream_t stream);
+
+}  // namespace deepfuse

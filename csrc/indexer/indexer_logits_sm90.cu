@@ -1,0 +1,201 @@
+// indexer_logits_paged (indexer.h): one CTA per (token, run of 64-entry tiles). Warp w owns
+// heads [16 w, 16 w + 16): their q (fp16) stays in registers as MMA B fragments; the keys of
+// a tile (64 rows of 128 e4m3) are gathered from their pages into shared memory with cp.async
+// (double-buffered, 16-byte chunks XOR-swizzled per row), widened to fp16 A fragments, and
+// m16n8k16 MMAs (fp32 accumulate) give the [64 entries x 16 heads] dot products. ReLU, the
+// head weights and the sum over heads follow in registers and through shared memory.
+// The K dimension of each MMA is a permutation of the dims (thread t of a quad covers dims
+// [32 t, 32 t + 32) over the 8 k-steps), the same for A and B, so the dot products are exact.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "common/cuda_utils.h"
+#include "indexer/indexer.h"
+
+namespace deepfuse {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTile = 64;  // entries per tile
+constexpr int kRowBytes = kIndexerDim;
+
+struct Args {
+  const __nv_bfloat16* q;
+  const float* weights;
+  const uint8_t* pages;
+  int64_t page_bytes, num_pages;
+  int page_size;
+  const int64_t* entry_slots;
+  int64_t slots_ld;
+  const int64_t* token_req;
+  const int32_t* n_vis;
+  int C;
+  float scale;
+  float* out;
+  int tiles_per_cta;
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w) {
+  __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162*>(&w);
+  __half2 h = __float22half2_rn(__bfloat1622float2(b));
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__global__ void __launch_bounds__(kThreads) indexer_logits_kernel(const Args a) {
+  __shared__ alignas(128) uint8_t keys[2][kTile * kRowBytes];
+  __shared__ float kscale[2][kTile];
+  __shared__ float red[2][4][kTile];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int64_t n = blockIdx.x;
+  const int nv = min(__ldg(a.n_vis + n), a.C);
+  const int e_begin = blockIdx.y * a.tiles_per_cta * kTile;
+  const int e_end = min(a.C, e_begin + a.tiles_per_cta * kTile);
+  float* orow = a.out + n * a.C;
+  for (int e = max(e_begin, nv) + tid; e < e_end; e += kThreads) orow[e] = -INFINITY;
+  const int live_end = min(e_end, nv);
+  if (e_begin >= live_end) return;  // uniform over the CTA
+  const int64_t* srow = a.entry_slots + __ldg(a.token_req + n) * a.slots_ld;
+
+  auto load_tile = [&](int stage, int e0) {
+#pragma unroll
+    for (int k = 0; k < (kTile * kRowBytes / 16) / kThreads; ++k) {
+      const int idx = tid + kThreads * k, row = idx >> 3, ch = idx & 7, e = e0 + row;
+      const int64_t slot = e < live_end ? __ldg(srow + e) : -1;
+      const int64_t page = slot >= 0 ? slot / a.page_size : 0;
+      const bool ok = slot >= 0 && page < a.num_pages;
+      const uint8_t* src = ok ? a.pages + page * a.page_bytes + (slot - page * a.page_size) * kRowBytes + ch * 16
+                              : a.pages;
+      cp_async16(&keys[stage][row * kRowBytes + ((ch ^ (row & 7)) << 4)], src, ok);
+      if (ch == 0) {
+        const uint8_t* ssrc = ok ? a.pages + page * a.page_bytes + int64_t(a.page_size) * kRowBytes +
+                                       (slot - page * a.page_size) * 4
+                                 : a.pages;
+        cp_async4(&kscale[stage][row], ssrc, ok);
+      }
+    }
+    cp_commit();
+  };
+
+  const int ntiles = (live_end - e_begin + kTile - 1) / kTile;
+  load_tile(0, e_begin);
+
+  // B fragments: q of heads 16 warp + 8 nt + g, dims [32 t, 32 t + 32), as fp16 pairs.
+  uint32_t qf[2][16];
+  float wv[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int h = 16 * warp + 8 * nt + g;
+    const uint4* qp = reinterpret_cast<const uint4*>(a.q + (n * kIndexerHeads + h) * kIndexerDim + 32 * t);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint4 v = __ldg(qp + c);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qf[nt][4 * c + i] = bf16x2_to_f16x2(word(v, i));
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wv[nt][j] = __ldg(a.weights + n * kIndexerHeads + 16 * warp + 8 * nt + 2 * t + j);
+  }
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int st = it & 1, e0 = e_begin + it * kTile;
+    if (it + 1 < ntiles) {
+      load_tile(st ^ 1, e0 + kTile);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const uint8_t* ks = keys[st];
+#pragma unroll
+    for (int mt = 0; mt < kTile / 16; ++mt) {
+      const int r0 = mt * 16 + g, r1 = r0 + 8;
+      const uint4 a0 = *reinterpret_cast<const uint4*>(ks + r0 * kRowBytes + (((2 * t) ^ (r0 & 7)) << 4));
+      const uint4 a1 = *reinterpret_cast<const uint4*>(ks + r0 * kRowBytes + (((2 * t + 1) ^ (r0 & 7)) << 4));
+      const uint4 b0 = *reinterpret_cast<const uint4*>(ks + r1 * kRowBytes + (((2 * t) ^ (r1 & 7)) << 4));
+      const uint4 b1 = *reinterpret_cast<const uint4*>(ks + r1 * kRowBytes + (((2 * t + 1) ^ (r1 & 7)) << 4));
+      float acc[2][4] = {};
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        const uint32_t wa = s < 4 ? word(a0, s) : word(a1, s - 4);  // row r0, dims 32 t + 4 s .. + 3
+        const uint32_t wb = s < 4 ? word(b0, s) : word(b1, s - 4);  // row r1
+        const uint32_t x0 = e4m3x2_to_f16x2(wa), x1 = e4m3x2_to_f16x2(wb);
+        const uint32_t x2 = e4m3x2_to_f16x2(wa >> 16), x3 = e4m3x2_to_f16x2(wb >> 16);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) mma_f16(acc[nt], x0, x1, x2, x3, qf[nt][2 * s], qf[nt][2 * s + 1]);
+      }
+      float p0 = 0.0f, p1 = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        p0 += wv[nt][0] * fmaxf(acc[nt][0], 0.0f) + wv[nt][1] * fmaxf(acc[nt][1], 0.0f);
+        p1 += wv[nt][0] * fmaxf(acc[nt][2], 0.0f) + wv[nt][1] * fmaxf(acc[nt][3], 0.0f);
+      }
+      p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
+      p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
+      p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
+      p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
+      if (t == 0) {
+        red[st][warp][r0] = p0;
+        red[st][warp][r1] = p1;
+      }
+    }
+    __syncthreads();
+    if (tid < kTile) {
+      const int e = e0 + tid;
+      if (e < live_end) {
+        const float sum = (red[st][0][tid] + red[st][1][tid]) + (red[st][2][tid] + red[st][3][tid]);
+        orow[e] = a.scale * kscale[st][tid] * sum;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void indexer_logits_paged(const void* q, const float* weights, const uint8_t* pages, int64_t page_bytes,
+                          int64_t num_pages, int page_size, const int64_t* entry_slots, int64_t slots_ld,
+                          const int64_t* token_req, const int32_t* n_vis, int64_t N, int C, float scale, float* out,
+                          cudaStream_t stream) {
+  if (N <= 0 || C <= 0) return;
+  if (N > 0x7fffffff) throw std::invalid_argument("deepfuse: indexer_logits_paged: too many tokens");
+  const int64_t tiles = ceil_div<int64_t>(C, kTile);
+  const int64_t target = int64_t(num_sms()) * 8;  // CTAs for about one full wave
+  int per = static_cast<int>(ceil_div<int64_t>(N * tiles, target));
+  per = per < 1 ? 1 : per > 16 ? 16 : per;
+  const int64_t splits = ceil_div<int64_t>(tiles, per);
+  const Args a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, entry_slots,
+               slots_ld, token_req, n_vis, C, scale, out, per};
+  indexer_logits_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(splits)), kThreads, 0, stream>>>(a);
+  check_launch("indexer_logits_kernel");
+}
+
+}  // namespace deepfuse
