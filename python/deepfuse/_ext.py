@@ -14,9 +14,22 @@ except ImportError as e:  # pure-Python install (DEEPFUSE_BUILD_CUDA=OFF) or bro
     _IMPORT_ERROR = e
 
 
+_ENABLED = True
+
+
 def has_cuda_kernels() -> bool:
-    """True when this install carries the compiled CUDA kernels."""
-    return _C is not None
+    """True when this install carries the compiled CUDA kernels (and they are not switched
+    off with set_kernels_enabled)."""
+    return _C is not None and _ENABLED
+
+
+def set_kernels_enabled(enabled: bool) -> bool:
+    """Switch the model-graph ops between their CUDA kernels and their torch references on
+    CUDA tensors (tests and the eager baseline of the benchmarks); returns the previous
+    setting. The cache and top-k ops always run their kernels."""
+    global _ENABLED
+    prev, _ENABLED = _ENABLED, bool(enabled)
+    return prev
 
 
 def built_archs() -> list[str]:

@@ -1,0 +1,219 @@
+"""The V4 layer's row kernels (csrc/norm, csrc/compressor, csrc/indexer) and the top-k slot
+output against their references: rms_norm, rope, norm_rope, the fused norm + RoPE + cache
+store, the compressor step, the paged indexer logits and topk_slots. Fresh random inputs,
+poisoned caches (every byte of every page checked)."""
+import pytest
+import torch
+
+from deepfuse import kv_format as F
+from deepfuse import ops
+from deepfuse.ops.compressor import compress_rows_ref
+from deepfuse.ops.indexer import indexer_logits_paged_ref
+from deepfuse.ops.kvcache import RowTarget
+from deepfuse.ops.norm import norm_rope_ref, rms_norm_ref
+from deepfuse.ops.rope import rope_ref
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+BF16_ULP = 2.0 ** -7  # relative spacing of bf16
+
+
+def _g(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _randn(*shape, g, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+
+
+def _cos_sin(n, half, g):
+    a = torch.rand(n, half, generator=g, device=DEV) * 6.3
+    return a.cos().contiguous(), a.sin().contiguous()
+
+
+def _close_bf16(out, ref, ulps):
+    """|out - ref| <= ulps bf16 ulps of |ref| (+ the same of the row's rms for values near 0)."""
+    o, r = out.float(), ref.float()
+    tol = ulps * BF16_ULP * (r.abs() + r.square().mean(-1, keepdim=True).sqrt() * 2 ** -6)
+    bad = (o - r).abs() > tol
+    assert not bad.any(), f"{bad.sum().item()} of {bad.numel()} values off; max err {(o - r).abs().max().item()}"
+
+
+@pytest.mark.parametrize("D", [64, 128, 512, 1024, 4096])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm(D, weighted):
+    g = _g(D)
+    x = _randn(37, D, g=g, scale=3.0)
+    w = torch.rand(D, generator=g, device=DEV) + 0.5 if weighted else None
+    out = ops.rms_norm(x, w, 1e-6)
+    # rsqrt and the sum order differ from torch's: one rounding of the bf16 result apart
+    _close_bf16(out, rms_norm_ref(x, w, 1e-6), 1)
+
+
+@pytest.mark.parametrize("shape", [(29, 512), (7, 64, 512), (5, 64, 128)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope(shape, inverse):
+    g = _g(len(shape))
+    x = _randn(*shape, g=g)
+    cos, sin = _cos_sin(shape[0], 32, g)
+    out = ops.rope(x, cos, sin, inverse=inverse)
+    ref = rope_ref(x, cos, sin, inverse)
+    assert torch.equal(out[..., :-64], x[..., :-64])
+    _close_bf16(out, ref, 1)  # fma contraction order only
+
+
+def test_norm_rope_is_rms_norm_then_rope():
+    g = _g(3)
+    x = _randn(11, 64, 512, g=g, scale=2.0)
+    cos, sin = _cos_sin(11, 32, g)
+    fused = ops.norm_rope(x, None, 1e-6, cos, sin)
+    assert torch.equal(fused, ops.rope(ops.rms_norm(x, None, 1e-6), cos, sin))  # same device code: bit-exact
+    _close_bf16(fused, norm_rope_ref(x, None, 1e-6, cos, sin), 2)
+
+
+def _poisoned_pages(P, row_bytes, ps, g):
+    return torch.randint(0, 256, (P, ps * row_bytes), generator=g, device=DEV, dtype=torch.uint8)
+
+
+def _slots(N, P, ps, g, holes=True):
+    s = torch.randperm(P * ps, generator=g, device=DEV)[:N]
+    if holes:
+        s[::5] = -1
+    return s.to(torch.int64)
+
+
+@pytest.mark.parametrize("kind", ["kv_fp8", "idx_fp8", "idx_fp8_ue8m0", "dense"])
+def test_norm_rope_store_writes_what_the_separate_ops_write(kind):
+    g = _g(hash(kind) % 1000)
+    D = 128 if kind.startswith("idx") else 512
+    N, P, ps = 45, 6, 16
+    x = _randn(N, D, g=g, scale=4.0)
+    w = torch.rand(D, generator=g, device=DEV) + 0.5
+    cos, sin = _cos_sin(N, 32, g)
+    slots = _slots(N, P, ps, g)
+    if kind == "dense":
+        pages = _randn(P, ps, D, g=g)
+    else:
+        pages = _poisoned_pages(P, F.KV_ROW_BYTES if kind == "kv_fp8" else F.IDX_ROW_BYTES, ps, g)
+    sep = pages.clone()
+    y = ops.norm_rope_store(x, w, 1e-6, cos, sin, RowTarget(pages, kind, ps), slots)
+    rows = ops.rope(ops.rms_norm(x, w, 1e-6), cos, sin)
+    assert torch.equal(y, rows)
+    if kind == "kv_fp8":
+        ops.kv_store(F.KVPages(F.KVFormat(ps, "fp8"), sep.unsqueeze(0)), slots, rows)
+    elif kind == "dense":
+        ok = slots >= 0
+        sep.view(-1, D)[slots[ok]] = rows[ok]
+    else:
+        fmt = F.IndexerKeyFormat(ps, "fp8", "fp32" if kind == "idx_fp8" else "ue8m0")
+        ops.indexer_key_store(F.IndexerKeyPages(fmt, sep.unsqueeze(0)), slots, rows)
+    assert torch.equal(pages, sep)  # every byte: stored rows identical, untouched rows still poisoned
+
+
+def _plan(nb, r, overlap, N, S, g):
+    """Random CompressPlan-like sources: [nb, L] indices into this step's N rows / S state rows."""
+    from types import SimpleNamespace
+
+    L = 2 * r if overlap else r
+    fresh = torch.rand(nb, L, generator=g, device=DEV) < 0.5
+    valid = torch.rand(nb, L, generator=g, device=DEV) < 0.9
+    valid[:, -1] = True  # every row has a source
+    return SimpleNamespace(
+        overlap=overlap, src_is_fresh=fresh, src_valid=valid,
+        src_fresh=torch.randint(0, N, (nb, L), generator=g, device=DEV),
+        src_state=torch.randint(0, S, (nb, L), generator=g, device=DEV),
+        src_ape=torch.randint(0, r, (nb, L), generator=g, device=DEV))
+
+
+@pytest.mark.parametrize("kind,D,r,overlap", [("kv_fp8", 512, 4, True), ("kv_fp8", 512, 128, False),
+                                              ("idx_fp8", 128, 4, True), ("dense", 512, 4, True),
+                                              ("dense", 64, 128, False)])
+def test_compress_store(kind, D, r, overlap):
+    g = _g(D + r)
+    w = 2 * D if overlap else D
+    N, S, nb, P, ps = 40, 30, 23, 4, 16
+    kv, score = _randn(N, w, g=g), _randn(N, w, g=g, scale=2.0)
+    skv, ssc = _randn(S, w, g=g), _randn(S, w, g=g, scale=2.0)
+    ape = torch.randn(r, w, generator=g, device=DEV)
+    plan = _plan(nb, r, overlap, N, S, g)
+    plan.blk_slot = _slots(nb, P, ps, g)
+    nw = torch.rand(D, generator=g, device=DEV) + 0.5
+    cos, sin = _cos_sin(nb, 32, g)
+    if kind == "dense":
+        pages = _randn(P, ps, D, g=g)
+    else:
+        pages = _poisoned_pages(P, F.KV_ROW_BYTES if kind == "kv_fp8" else F.IDX_ROW_BYTES, ps, g)
+    before = pages.clone()
+    rows = ops.compress_store(kv, score, skv, ssc, ape, plan, nw, 1e-6, cos, sin, RowTarget(pages, kind, ps))
+    ref = compress_rows_ref(kv, score, skv, ssc, ape, plan.src_fresh, plan.src_state, plan.src_is_fresh,
+                            plan.src_valid, plan.src_ape, overlap, nw, 1e-6, cos, sin)
+    # pooled rows may round to the neighbouring bf16 (fp32 softmax orders differ), then norm + RoPE
+    _close_bf16(rows, ref, 3)
+    # the stored bytes are the store op's of the kernel's own rows; untouched rows keep their poison
+    exp = before.clone()
+    t = RowTarget(exp, kind, ps)
+    from deepfuse.ops.kvcache import store_rows_ref
+
+    ok = plan.blk_slot >= 0
+    store_rows_ref(t, rows[ok], plan.blk_slot[ok])
+    assert torch.equal(pages, exp)
+
+
+def test_state_store():
+    g = _g(5)
+    N, S, w = 50, 64, 1024
+    kv, score = _randn(N, w, g=g), _randn(N, w, g=g)
+    skv, ssc = _randn(S, w, g=g), _randn(S, w, g=g)
+    slots = torch.randperm(S - 1, generator=g, device=DEV)[:N].to(torch.int64)
+    slots[::7] = -1
+    ek, es = skv.clone(), ssc.clone()
+    ops.state_store(kv, score, skv, ssc, slots)
+    ok = slots >= 0
+    ek[slots[ok]], es[slots[ok]] = kv[ok], score[ok]
+    assert torch.equal(skv[:-1], ek[:-1]) and torch.equal(ssc[:-1], es[:-1])  # the last row is the trash row
+
+
+@pytest.mark.parametrize("N,B,C", [(1, 1, 300), (9, 3, 2048), (64, 64, 700), (5, 2, 16400)])
+def test_indexer_logits_paged(N, B, C):
+    g = _g(N * 7 + C)
+    ps = 64
+    P = (B * C) // ps + 3
+    keys = _randn(P * ps, 128, g=g, scale=1.5)
+    pages = torch.zeros(P, ps * F.IDX_ROW_BYTES, dtype=torch.uint8, device=DEV)
+    ops.indexer_key_store(F.IndexerKeyPages(F.IndexerKeyFormat(ps, "fp8"), pages.unsqueeze(0)),
+                          torch.arange(P * ps, device=DEV), keys)
+    entry = torch.randperm(P * ps, generator=g, device=DEV)[: B * C].view(B, C).to(torch.int64)
+    entry[:, -3:] = -1
+    entry[0, 1] = -1
+    token_req = torch.randint(0, B, (N,), generator=g, device=DEV)
+    token_req[0] = 0
+    n_vis = torch.randint(0, C + 1, (N,), generator=g, device=DEV).to(torch.int32)
+    n_vis[0] = C
+    q = _randn(N, 64, 128, g=g)
+    wts = torch.randn(N, 64, generator=g, device=DEV) * 0.125
+    out = ops.indexer_logits_paged(q, wts, pages, ps, entry, token_req, n_vis, 128 ** -0.5)
+    ref = indexer_logits_paged_ref(q, wts, pages, ps, entry, token_req, n_vis, 128 ** -0.5)
+    vis = torch.arange(C, device=DEV)[None, :] < n_vis[:, None]
+    assert torch.isinf(out[~vis]).all() and (out[~vis] < 0).all()
+    # exact products (q in fp16, codes in e4m3); fp32 sums of 128 x 64 terms in another order
+    scale = ref[vis].abs().max()
+    err = (out[vis] - ref[vis]).abs().max()
+    assert err <= 1e-5 * scale + 1e-6, f"max err {err.item()} (scale {scale.item()})"
+    assert out[0, 1].item() == 0.0  # a slot-less entry scores 0
+
+
+@pytest.mark.parametrize("N,C,k", [(1, 3000, 512), (33, 1000, 512), (64, 200, 512), (8, 20000, 1024)])
+def test_topk_slots(N, C, k):
+    g = _g(C + k)
+    x = torch.randn(N, C, generator=g, device=DEV)
+    lengths = torch.randint(0, C + 1, (N,), generator=g, device=DEV).to(torch.int32)
+    lengths[0] = C
+    B = 5
+    slot_map = torch.randperm(B * C * 2, generator=g, device=DEV)[: B * C].view(B, C).to(torch.int64)
+    map_rows = torch.randint(0, B, (N,), generator=g, device=DEV)
+    out = ops.topk_slots(x, min(k, C), lengths, slot_map, map_rows)
+    from deepfuse.ops.topk import _topk_slots
+
+    ref = _topk_slots.reference(x, min(k, C), lengths, slot_map, map_rows)
+    for i in range(N):
+        assert torch.equal(out[i].sort().values, ref[i].sort().values), f"row {i}"
