@@ -97,6 +97,10 @@ def test_linear_sanitize_small():
         for M in (3, 80):
             x = torch.randn(M, 256, device=DEV, generator=g).to(torch.bfloat16)
             assert torch.isfinite(ops.quant_linear(x, w, s, fmt)).all()
+        wg, sg = make_weight(4 * 128, 256, fmt, "ue8m0", g)
+        for M in (1, 70):
+            xg = torch.randn(M, 4, 256, device=DEV, generator=g).to(torch.bfloat16)
+            assert torch.isfinite(ops.grouped_linear(xg, wg, sg, fmt)).all()
     torch.cuda.synchronize()
 
 

@@ -217,3 +217,37 @@ def test_topk_slots(N, C, k):
     ref = _topk_slots.reference(x, min(k, C), lengths, slot_map, map_rows)
     for i in range(N):
         assert torch.equal(out[i].sort().values, ref[i].sort().values), f"row {i}"
+
+
+@pytest.mark.sanitize
+def test_rows_sanitize_small():
+    """One small case of every kernel of this file for compute-sanitizer (tools/gpu_run.sh)."""
+    g = _g(99)
+    x = _randn(6, 4, 512, g=g)
+    cos, sin = _cos_sin(6, 32, g)
+    assert torch.isfinite(ops.norm_rope(x, None, 1e-6, cos, sin)).all()
+    assert torch.isfinite(ops.rms_norm(_randn(3, 4096, g=g), torch.rand(4096, device=DEV), 1e-6)).all()
+    ps, P = 16, 3
+    for kind, D in (("kv_fp8", 512), ("idx_fp8", 128), ("dense", 512)):
+        rb = F.KV_ROW_BYTES if kind == "kv_fp8" else F.IDX_ROW_BYTES
+        pages = _randn(P, ps, D, g=g) if kind == "dense" else _poisoned_pages(P, rb, ps, g)
+        c2, s2 = _cos_sin(5, 32, g)
+        ops.norm_rope_store(_randn(5, D, g=g), torch.rand(D, device=DEV), 1e-6, c2, s2, RowTarget(pages, kind, ps),
+                            _slots(5, P, ps, g))
+        w = 2 * D
+        plan = _plan(4, 4, True, 7, 9, g)
+        plan.blk_slot = _slots(4, P, ps, g)
+        c3, s3 = _cos_sin(4, 32, g)
+        ops.compress_store(_randn(7, w, g=g), _randn(7, w, g=g), _randn(9, w, g=g), _randn(9, w, g=g),
+                           torch.randn(4, w, device=DEV), plan, torch.rand(D, device=DEV), 1e-6, c3, s3,
+                           RowTarget(pages, kind, ps))
+    skv, ssc = _randn(9, 256, g=g), _randn(9, 256, g=g)
+    ops.state_store(_randn(5, 256, g=g), _randn(5, 256, g=g), skv, ssc, torch.tensor([0, -1, 3, 8, 2], device=DEV))
+    kp = torch.zeros(P, ps * F.IDX_ROW_BYTES, dtype=torch.uint8, device=DEV)
+    entry = torch.tensor([[0, 5, -1, 17, 30, 2, 9]], device=DEV)
+    n_vis = torch.tensor([7, 3, 0], dtype=torch.int32, device=DEV)
+    sc = ops.indexer_logits_paged(_randn(3, 64, 128, g=g), torch.rand(3, 64, device=DEV), kp, ps, entry,
+                                  torch.zeros(3, dtype=torch.int64, device=DEV), n_vis, 0.1)
+    sel = ops.topk_slots(sc, 4, n_vis, entry, torch.zeros(3, dtype=torch.int64, device=DEV))
+    assert sel.shape == (3, 4)
+    torch.cuda.synchronize()

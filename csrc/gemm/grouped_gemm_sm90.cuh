@@ -388,9 +388,12 @@ __global__ void __launch_bounds__(C::kThreads) grouped_gemm_kernel(const GemmArg
     }
 }
 
-// Host: launch with the kernel's dynamic shared memory enabled (once per instantiation).
+// Host: launch with the kernel's dynamic shared memory enabled (once per instantiation and
+// translation unit: each .cu including this header has its own copy of the kernel, so the
+// launcher and its once-flag have internal linkage; a shared inline one would set the
+// attribute on one unit's copy only).
 template <class C, bool MX, bool SWIGLU>
-inline void launch_grouped_gemm(const GemmArgs& args, dim3 grid, cudaStream_t stream, const char* what) {
+static inline void launch_grouped_gemm(const GemmArgs& args, dim3 grid, cudaStream_t stream, const char* what) {
   auto kern = grouped_gemm_kernel<C, MX, SWIGLU>;
   static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   check_cuda(attr, "cudaFuncSetAttribute(grouped_gemm_kernel)");
