@@ -138,12 +138,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny widths: a smoke test")
     ap.add_argument("--reference", action="store_true",
-                    help="linears and experts through their torch references (the eager baseline)")
+                    help="every model-graph op through its torch reference (the eager baseline)")
     a = ap.parse_args(argv)
     if a.reference:
-        from deepfuse import ops
+        from deepfuse import _ext
 
-        ops.set_activation_quant(False)
+        _ext.set_kernels_enabled(False)
     from deepfuse.engine import LLM
     from deepfuse.models import random as rnd
 

@@ -1,0 +1,120 @@
+"""The V4 layer's row kernels at V4-Flash shapes: rms_norm, the q path (norm_rope), the kv
+path (norm + RoPE + FP8 + cache store), the compressor step, the paged indexer logits and
+the top-k written as slots.
+
+python -m microbench.bench_rows --out DIR [--quick]
+
+Per case: time, bytes moved per second and the fraction of the copy ceiling measured in this
+run (bytes = what the op must read and write once), TFLOP/s for the indexer, and the ratio to
+the torch references on the same GPU (kernels switched off: what a user would otherwise run;
+for topk_slots, torch.topk and a gather).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from deepfuse import _ext, ops
+from deepfuse import kv_format as F
+from deepfuse.ops.kvcache import RowTarget
+from microbench import harness as H
+
+DEV = "cuda"
+
+
+def _bf(*shape, g, scale=1.0):
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(torch.bfloat16)
+
+
+def _cs(n, g):
+    a = torch.rand(n, 32, generator=g, device=DEV) * 6.3
+    return a.cos().contiguous(), a.sin().contiguous()
+
+
+def _ref_time(fn):
+    prev = _ext.set_kernels_enabled(False)
+    try:
+        return H.time_fn(fn, warmup=2, reps=5)
+    finally:
+        _ext.set_kernels_enabled(prev)
+
+
+def cases(quick: bool, g):
+    out = []
+    for M in ([1, 64] if quick else [1, 64, 1024]):
+        x, w = _bf(M, 4096, g=g), torch.rand(4096, device=DEV) + 0.5
+        out.append((f"rms_norm d=4096", M, 4 * M * 4096, 0, lambda x=x, w=w: ops.rms_norm(x, w, 1e-6)))
+        q = _bf(M, 64, 512, g=g)
+        c, s = _cs(M, g)
+        out.append(("q norm_rope 64x512", M, 4 * M * 64 * 512, 0, lambda q=q, c=c, s=s: ops.norm_rope(q, None, 1e-6, c, s)))
+        kv = _bf(M, 512, g=g)
+        ps = 64
+        pages = torch.zeros(M // ps + 2, ps * F.KV_ROW_BYTES, dtype=torch.uint8, device=DEV)
+        slots = torch.randperm(pages.shape[0] * ps, device=DEV)[:M]
+        t = RowTarget(pages, "kv_fp8", ps)
+        out.append(("kv norm_rope_store fp8", M, M * (512 * 4 + F.KV_ROW_BYTES), 0,
+                    lambda kv=kv, w=w[:512].contiguous(), c=c, s=s, t=t, sl=slots:
+                    ops.norm_rope_store(kv, w, 1e-6, c, s, t, sl)))
+    for nb in ([16] if quick else [16, 256]):
+        r, D = 4, 512
+        w2 = 2 * D
+        N, S = 4 * nb, 8 * nb
+        kvs, sc = _bf(N, w2, g=g), _bf(N, w2, g=g)
+        skv, ssc = _bf(S, w2, g=g), _bf(S, w2, g=g)
+        ape = torch.randn(r, w2, device=DEV)
+        plan = SimpleNamespace(
+            overlap=True, src_is_fresh=torch.rand(nb, 2 * r, device=DEV) < 0.5,
+            src_valid=torch.ones(nb, 2 * r, dtype=torch.bool, device=DEV),
+            src_fresh=torch.randint(0, N, (nb, 2 * r), device=DEV), src_state=torch.randint(0, S, (nb, 2 * r), device=DEV),
+            src_ape=torch.randint(0, r, (nb, 2 * r), device=DEV), blk_slot=torch.randperm(nb * 2, device=DEV)[:nb])
+        pages = torch.zeros(nb * 2 // 64 + 1, 64 * F.KV_ROW_BYTES, dtype=torch.uint8, device=DEV)
+        c, s = _cs(nb, g)
+        nw = torch.rand(D, device=DEV) + 0.5
+        t = RowTarget(pages, "kv_fp8", 64)
+        out.append(("CSA compress_store", nb, nb * (2 * r * D * (2 + 2 + 4) + F.KV_ROW_BYTES), 0,
+                    lambda: ops.compress_store(kvs, sc, skv, ssc, ape, plan, nw, 1e-6, c, s, t)))
+    grid = [(1, 1024), (64, 1024), (1, 16384)] if quick else [(1, 1024), (64, 1024), (1, 16384), (64, 16384)]
+    for B, C in grid:
+        ps = 64
+        P = B * C // ps + 1
+        kp = torch.randint(0, 120, (P, ps * F.IDX_ROW_BYTES), dtype=torch.uint8, device=DEV)
+        kp[:, ps * 128:].view(torch.float32)[:] = 0.01
+        entry = torch.randperm(P * ps, device=DEV)[: B * C].view(B, C)
+        req = torch.arange(B, device=DEV)
+        nv = torch.full((B,), C, dtype=torch.int32, device=DEV)
+        q = _bf(B, 64, 128, g=g)
+        wts = torch.randn(B, 64, device=DEV) * 0.125
+        flops = 2 * B * C * 64 * 128
+        out.append((f"indexer logits C={C}", B, B * C * (F.IDX_ROW_BYTES + 4 + 8), flops,
+                    lambda q=q, w=wts, kp=kp, e=entry, r=req, n=nv: ops.indexer_logits_paged(q, w, kp, ps, e, r, n, 0.088)))
+        sc = torch.randn(B, C, device=DEV)
+        out.append((f"topk_slots 512 of C={C}", B, B * C * 4, 0,
+                    lambda sc=sc, n=nv, e=entry, r=req: ops.topk_slots(sc, 512, n, e, r),
+                    lambda sc=sc, e=entry, r=req: e[r].gather(1, torch.topk(sc, 512, sorted=False).indices)))
+    return out
+
+
+def main(argv=None):
+    args, ctx = H.start(argv)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    rows = []
+    for name, M, nbytes, flops, fn, *ref in cases(args.quick, g):
+        t = H.time_fn(fn)
+        r = dict(case=name, rows=M, us=t.median_us, TBps=nbytes / t.s / 1e12, frac_copy=nbytes / t.s / 1e12 / ctx.copy_tbps)
+        if flops:
+            r["TFLOPs"] = flops / t.s / 1e12
+        tr = H.time_fn(ref[0], warmup=2, reps=10) if ref else _ref_time(fn)
+        r["ref_us"], r["x_ref"] = tr.median_us, tr.median_us / t.median_us
+        rows.append(r)
+        H.print_table([r], COLS)
+    print()
+    H.print_table(rows, COLS)
+    H.save(args.out, "rows", ctx, rows)
+
+
+COLS = [("case", "{}"), ("rows", "{}"), ("us", "{:.1f}"), ("TBps", "{:.2f}"), ("frac_copy", "{:.2f}"),
+        ("TFLOPs", "{:.0f}"), ("ref_us", "{:.1f}"), ("x_ref", "{:.1f}")]
+
+if __name__ == "__main__":
+    main()
