@@ -73,7 +73,7 @@ def cases(quick: bool, g):
         nw = torch.rand(D, device=DEV) + 0.5
         t = RowTarget(pages, "kv_fp8", 64)
         out.append(("CSA compress_store", nb, nb * (2 * r * D * (2 + 2 + 4) + F.KV_ROW_BYTES), 0,
-                    lambda: ops.compress_store(kvs, sc, skv, ssc, ape, plan, nw, 1e-6, c, s, t)))
+                    lambda a=(kvs, sc, skv, ssc, ape, plan, nw, 1e-6, c, s, t): ops.compress_store(*a)))
     grid = [(1, 1024), (64, 1024), (1, 16384)] if quick else [(1, 1024), (64, 1024), (1, 16384), (64, 16384)]
     for B, C in grid:
         ps = 64
