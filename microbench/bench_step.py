@@ -121,8 +121,11 @@ def step_profile(eng, dev, top: int = 12) -> list[dict]:
         _sync(dev)
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     rows = []
-    for e in sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]:
+    avgs = prof.key_averages()
+    for e in sorted(avgs, key=lambda e: getattr(e, key, 0), reverse=True)[:top]:
         rows.append({"op": e.key, "ms": getattr(e, key, 0) / 1e3, "calls": e.count})
+    if dev.type == "cuda":  # kernels only have self device time: their sum is the step's device busy time
+        rows.insert(0, {"op": "(all kernels)", "ms": sum(getattr(e, key, 0) for e in avgs) / 1e3, "calls": 0})
     return rows
 
 
@@ -137,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny widths: a smoke test")
+    ap.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
     ap.add_argument("--reference", action="store_true",
                     help="every model-graph op through its torch reference (the eager baseline)")
     a = ap.parse_args(argv)
@@ -167,7 +171,8 @@ def main(argv=None) -> int:
     for ctx in a.contexts:
         for B in a.batches:
             llm = LLM(model, kv_dtype="fp8", max_num_seqs=B, max_num_batched_tokens=max(256, B * 4),
-                      max_total_tokens=B * (ctx + 128), max_model_len=ctx + 128, overlap=False)
+                      max_total_tokens=B * (ctx + 128), max_model_len=ctx + 128, overlap=False,
+                      cuda_graphs=not (a.no_graphs or a.reference))
             eng = llm.engine
             fill_caches(eng.cache, g)
             start_requests(eng, B, ctx, gc)
@@ -181,7 +186,8 @@ def main(argv=None) -> int:
                 ts.append(time.perf_counter() - t)
             step = statistics.median(ts)
             fl = floor_bytes(model, B, ctx)
-            row = {"B": B, "context": ctx, "step_ms": step * 1e3, "floor_MB": fl / 1e6}
+            row = {"B": B, "context": ctx, "step_ms": step * 1e3, "floor_MB": fl / 1e6,
+                   "graph_capture_s": eng.graph_capture_s}
             if copy:
                 row["floor_ms"] = fl / copy * 1e3
                 row["x_floor"] = step / (fl / copy)
@@ -197,7 +203,9 @@ def main(argv=None) -> int:
             "commit": os.environ.get("DEEPFUSE_COMMIT", "unknown"), "layers": a.layers, "experts": a.experts,
             "copy_tbps": copy / 1e12 if copy else None}
     meta["path"] = "reference" if a.reference else "kernels"
-    (out / ("step_reference.json" if a.reference else "step.json")).write_text(json.dumps({"kernel": "step", "context": meta, "rows": rows}, indent=1))
+    meta["graphs"] = not (a.no_graphs or a.reference)
+    name = "step_reference" if a.reference else "step_eager" if a.no_graphs else "step"
+    (out / f"{name}.json").write_text(json.dumps({"kernel": "step", "context": meta, "rows": rows}, indent=1))
     return 0
 
 

@@ -71,6 +71,7 @@ class StepContext:
     logits_req: np.ndarray        # [R] request index (0..B-1) of each logits row
     num_logits: np.ndarray        # [B] logits rows of each request (its last rows)
     _rope: dict = field(default_factory=dict)
+    graph: Optional[object] = None  # the captured graph that runs this step (engine/graph_runner.py)
 
     def rope(self, kind: str, table) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (cos, sin) of RoPE `kind`, computed once per step."""
@@ -137,6 +138,139 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class Padding:
+    """Static shapes of a captured step (engine/graph_runner.py): requests are padded to
+    `reqs` (pad requests: request slot -1, `tokens` tokens from position 0, nothing stored,
+    nothing read but their own scratch rows), each schedule's new blocks to `blocks[i]` (pad
+    blocks: no valid source, slot -1) and its entry tables to `entries[i]` columns."""
+
+    reqs: int
+    tokens: int                   # tokens of every request (pads too)
+    logits: int                   # logits rows of every request (1, or `tokens` for verify)
+    blocks: tuple[int, ...]
+    entries: tuple[int, ...]
+
+
+@dataclass
+class HostContext:
+    """The host half of a step context: the per-request / per-token / per-block index arrays
+    (uploaded to the device in one transfer) and the shapes the device half expands them to."""
+
+    arrays: list
+    N: int
+    B: int
+    plan_host: list               # per schedule: (r, overlap, R, entries, blocks, first array)
+    starts: np.ndarray
+    counts: np.ndarray
+    logits_req: np.ndarray
+    num_logits: np.ndarray
+
+
+def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
+    return np.concatenate([x, np.full(n - len(x), value, dtype=x.dtype)]) if n > len(x) else x
+
+
+def host_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: np.ndarray,
+                 num_logits: np.ndarray, geom: CacheGeometry, host_block_tables: dict[int, np.ndarray],
+                 pad: Optional[Padding] = None) -> HostContext:
+    """The host arrays of a step (see build_context); pad: static shapes for a captured graph."""
+    num_logits = np.asarray(num_logits, dtype=np.int64)
+    real = (starts, counts, np.repeat(np.arange(len(counts), dtype=np.int64), num_logits), num_logits)
+    if pad is not None:
+        n = pad.reqs
+        input_ids = _pad(np.asarray(input_ids, np.int64), n * pad.tokens, 0)
+        starts, counts = _pad(starts, n, 0), _pad(counts, n, pad.tokens)
+        slots, num_logits = _pad(slots, n, -1), _pad(num_logits, n, pad.logits)
+    B = len(counts)
+    live = slots >= 0
+    ends = starts + counts
+    cu = np.zeros(B + 1, np.int64)
+    np.cumsum(counts, out=cu[1:])
+    N = int(cu[-1])
+    token_req = np.repeat(np.arange(B, dtype=np.int64), counts)
+    positions = np.arange(N, dtype=np.int64) + (starts - cu[:-1])[token_req]
+    tok_slot, tok_end = slots[token_req], ends[token_req]
+    logits_req = np.repeat(np.arange(B, dtype=np.int64), num_logits)
+    R = len(logits_req)
+    loff = np.zeros(B, np.int64)
+    np.cumsum(num_logits[:-1], out=loff[1:])
+    logits_indices = (cu[1:] - num_logits)[logits_req] + np.arange(R, dtype=np.int64) - loff[logits_req]
+    Wr, Wp = geom.ring_rows, geom.ring_page_rows
+    ring_slots = np.where((positions >= tok_end - Wr) & (tok_slot >= 0), tok_slot * Wp + positions % Wr, -1)
+    arrays = [input_ids, positions, token_req, slots, logits_indices, starts[token_req], tok_slot, ring_slots]
+    ps = geom.page_size
+    plan_host = []
+    for i, (r, overlap) in enumerate(geom.schedules):
+        Rs = (2 * r if overlap else r) + geom.state_extra
+        n_ent = np.where(live, ends // r, 0)
+        first = np.where(live, starts // r, 0)
+        nblk = n_ent - first
+        breq = np.repeat(np.arange(B, dtype=np.int64), nblk)
+        nb = len(breq)
+        boff = np.zeros(B, np.int64)
+        np.cumsum(nblk[:-1], out=boff[1:])
+        bidx = first[breq] + np.arange(nb, dtype=np.int64) - boff[breq]
+        bslot = host_block_tables[r][slots[breq], bidx // ps] * ps + bidx % ps
+        L = 2 * r if overlap else r
+        pos0 = bidx * r - (r if overlap else 0)
+        bstart, bcu, bsl, bpos = starts[breq], cu[:-1][breq], slots[breq], bidx * r
+        cmax = int(n_ent.max()) if B else 0
+        if pad is not None:
+            if nb > pad.blocks[i] or cmax > pad.entries[i]:
+                raise ValueError("deepfuse: step exceeds its graph's padding")
+            m = pad.blocks[i]
+            bpos, bslot, pos0 = _pad(bpos, m, 0), _pad(bslot, m, -1), _pad(pos0, m, -L)
+            bstart, bcu, bsl = _pad(bstart, m, 0), _pad(bcu, m, 0), _pad(bsl, m, 0)
+            nb, cmax = m, pad.entries[i]
+        state_slots = np.where((positions >= tok_end - Rs) & (tok_slot >= 0), tok_slot * Rs + positions % Rs, -1)
+        n_vis = (positions + 1) // r
+        k = len(arrays)
+        arrays += [n_vis, state_slots, n_ent, bpos, bslot, pos0, bstart, bcu, bsl]
+        plan_host.append((r, overlap, Rs, cmax, nb, k))
+    return HostContext(arrays, N, B, plan_host, *real)
+
+
+def device_context(hc: HostContext, d: list[torch.Tensor], geom: CacheGeometry, block_tables: dict[int, torch.Tensor],
+                   dev: torch.device) -> StepContext:
+    """The device half: expands the uploaded arrays d (hc.arrays on the device) into the
+    step's index tensors. No host sync: it runs inside a captured graph too."""
+    N, B = hc.N, hc.B
+    W, Wr, Wp = geom.window, geom.ring_rows, geom.ring_page_rows
+    ps = geom.page_size
+    ids, pos_d, token_req_d, slot_d, logits_d, tok_start_d, tok_slot_d, ring_d = d[:8]
+
+    ar_w = _arange(W, dev)
+    kpos = pos_d[:, None] - (W - 1) + ar_w[None, :]
+    ring_slot = tok_slot_d[:, None] * Wp + kpos.remainder(Wr)
+    fresh = geom.scratch_base + (_arange(N, dev) - pos_d)[:, None] + kpos
+    win_idx = torch.where(kpos < tok_start_d[:, None], ring_slot, fresh).masked_fill_(kpos < 0, -1)
+    window = WindowPlan(win_idx, geom.scratch_base + _arange(N, dev), ring_d)
+
+    plans = {}
+    for r, overlap, R, cmax, nb, k in hc.plan_host:
+        n_vis, state_slots, n_ent, blk_pos, blk_slot, pos0, bstart, bcu, bslot_req = d[k:k + 9]
+        bt = block_tables[r]
+        if cmax:
+            e = _arange(cmax, dev)
+            page = (e // ps).clamp_(max=bt.shape[1] - 1)
+            entry_slots = (bt[slot_d.clamp(min=0)][:, page] * ps + e.remainder(ps)).masked_fill_(
+                e[None, :] >= n_ent[:, None], -1)
+        else:
+            entry_slots = bt.new_zeros(B, 0)
+        L = 2 * r if overlap else r
+        spos = pos0[:, None] + _arange(L, dev)[None, :]
+        is_fresh = spos >= bstart[:, None]
+        src_fresh = (bcu[:, None] + spos - bstart[:, None]).clamp_(0, max(N - 1, 0))
+        src_state = (bslot_req[:, None] * R + spos.remainder(R)).clamp_(min=0)
+        plans[(r, overlap)] = CompressPlan(r, overlap, R, ps, n_vis.to(torch.int32), cmax, entry_slots, nb, blk_pos,
+                                           blk_slot, src_fresh, src_state, is_fresh, spos >= 0, spos.remainder(r),
+                                           state_slots)
+
+    return StepContext(N, len(hc.counts), ids, pos_d, token_req_d, slot_d, logits_d, window, plans, hc.starts,
+                       hc.counts, hc.logits_req, hc.num_logits)
+
+
 def build_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: np.ndarray,
                   num_logits: np.ndarray, geom: CacheGeometry, block_tables: dict[int, torch.Tensor],
                   device, host_block_tables: dict[int, np.ndarray]) -> StepContext:
@@ -148,69 +282,5 @@ def build_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     and copied to the device in one transfer; the [N, W] / [B, C] / [blocks, L] index
     expansions run on the device."""
     dev = torch.device(device)
-    B = len(counts)
-    ends = starts + counts
-    cu = np.zeros(B + 1, np.int64)
-    np.cumsum(counts, out=cu[1:])
-    N = int(cu[-1])
-    token_req = np.repeat(np.arange(B, dtype=np.int64), counts)
-    positions = np.arange(N, dtype=np.int64) + (starts - cu[:-1])[token_req]
-    tok_slot, tok_end = slots[token_req], ends[token_req]
-    num_logits = np.asarray(num_logits, dtype=np.int64)
-    logits_req = np.repeat(np.arange(B, dtype=np.int64), num_logits)
-    R = len(logits_req)
-    loff = np.zeros(B, np.int64)
-    np.cumsum(num_logits[:-1], out=loff[1:])
-    logits_indices = (cu[1:] - num_logits)[logits_req] + np.arange(R, dtype=np.int64) - loff[logits_req]
-    W, Wr, Wp = geom.window, geom.ring_rows, geom.ring_page_rows
-    ring_slots = np.where(positions >= tok_end - Wr, tok_slot * Wp + positions % Wr, -1)
-    arrays = [input_ids, positions, token_req, slots, logits_indices, starts[token_req], tok_slot, ring_slots]
-    ps = geom.page_size
-    plan_host = []
-    for r, overlap in geom.schedules:
-        Rs = (2 * r if overlap else r) + geom.state_extra
-        n_ent = ends // r
-        first = starts // r
-        nblk = n_ent - first
-        breq = np.repeat(np.arange(B, dtype=np.int64), nblk)
-        nb = len(breq)
-        boff = np.zeros(B, np.int64)
-        np.cumsum(nblk[:-1], out=boff[1:])
-        bidx = first[breq] + np.arange(nb, dtype=np.int64) - boff[breq]
-        bslot = host_block_tables[r][slots[breq], bidx // ps] * ps + bidx % ps
-        state_slots = np.where(positions >= tok_end - Rs, tok_slot * Rs + positions % Rs, -1)
-        n_vis = (positions + 1) // r
-        k = len(arrays)
-        arrays += [n_vis, state_slots, n_ent, bidx * r, bslot, bidx * r - (r if overlap else 0), starts[breq],
-                   cu[:-1][breq], slots[breq]]
-        plan_host.append((r, overlap, Rs, int(n_ent.max()) if B else 0, nb, k))
-    d = _upload(arrays, dev)
-    ids, pos_d, token_req_d, slot_d, logits_d, tok_start_d, tok_slot_d, ring_d = d[:8]
-
-    ar_w = _arange(W, dev)
-    kpos = pos_d[:, None] - (W - 1) + ar_w[None, :]
-    ring_slot = tok_slot_d[:, None] * Wp + kpos.remainder(Wr)
-    fresh = geom.scratch_base + (_arange(N, dev) - pos_d)[:, None] + kpos
-    win_idx = torch.where(kpos < tok_start_d[:, None], ring_slot, fresh).masked_fill_(kpos < 0, -1)
-    window = WindowPlan(win_idx, geom.scratch_base + _arange(N, dev), ring_d)
-
-    plans = {}
-    for r, overlap, R, cmax, nb, k in plan_host:
-        n_vis, state_slots, n_ent, blk_pos, blk_slot, pos0, bstart, bcu, bslot_req = d[k:k + 9]
-        bt = block_tables[r]
-        if cmax:
-            e = _arange(cmax, dev)
-            entry_slots = (bt[slot_d][:, e // ps] * ps + e.remainder(ps)).masked_fill_(e[None, :] >= n_ent[:, None], -1)
-        else:
-            entry_slots = bt.new_zeros(B, 0)
-        L = 2 * r if overlap else r
-        spos = pos0[:, None] + _arange(L, dev)[None, :]
-        is_fresh = spos >= bstart[:, None]
-        src_fresh = (bcu[:, None] + spos - bstart[:, None]).clamp_(0, max(N - 1, 0))
-        src_state = bslot_req[:, None] * R + spos.remainder(R)
-        plans[(r, overlap)] = CompressPlan(r, overlap, R, ps, n_vis.to(torch.int32), cmax, entry_slots, nb, blk_pos,
-                                           blk_slot, src_fresh, src_state, is_fresh, spos >= 0, spos.remainder(r),
-                                           state_slots)
-
-    return StepContext(N, B, ids, pos_d, token_req_d, slot_d, logits_d, window, plans, starts, counts, logits_req,
-                       num_logits)
+    hc = host_context(input_ids, starts, counts, slots, num_logits, geom, host_block_tables)
+    return device_context(hc, _upload(hc.arrays, dev), geom, block_tables, dev)

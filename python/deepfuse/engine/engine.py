@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from .cache import CacheManager, default_total_tokens
+from .graph_runner import GraphRunner
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, SamplingParams
 from .prefix_cache import PrefixCache
@@ -31,6 +32,7 @@ class EngineConfig:
     prefix_checkpoint: int = 1024            # also save a long prompt's state every this many tokens
     num_speculative_tokens: int = 0          # MTP drafts per step (0: no speculation)
     spec_simulate_acc_len: Optional[float] = None  # benchmark knob: accept this many tokens per step on average
+    cuda_graphs: Optional[bool] = None       # decode / verify steps replay captured graphs (None: on for CUDA)
 
     def validate(self) -> "EngineConfig":
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_cache_entries",
@@ -91,7 +93,15 @@ class Engine:
             self.prefix = PrefixCache(self.cache, block=64,
                                       checkpoint=config.prefix_checkpoint)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.prefix)
-        self.runner = ModelRunner(model, self.cache)
+        graphs = None
+        use_graphs = config.cuda_graphs if config.cuda_graphs is not None else model.device.type == "cuda"
+        if use_graphs and type(self) is Engine:
+            k = config.num_speculative_tokens
+            graphs = GraphRunner(model, self.cache, max_reqs=config.max_num_seqs, tokens=(1, k + 1) if k else (1,),
+                                 return_streams=bool(k))
+        self.runner = ModelRunner(model, self.cache, graphs)
+        # captured at start-up on CUDA (seconds, reported here); on the CPU padded steps run eagerly
+        self.graph_capture_s = graphs.capture_all() if graphs is not None and graphs.capture else 0.0
         self.spec = None
         if config.num_speculative_tokens:
             self.spec = SpecDecoder(model, self.cache, self.runner, config.num_speculative_tokens,

@@ -58,10 +58,11 @@ def host_arrays(chunks: list[ScheduledChunk]):
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CacheManager):
+    def __init__(self, model, cache: CacheManager, graphs=None):
         self.model, self.cache = model, cache
         self.device = model.device
         self.sampler = Sampler()
+        self.graphs = graphs  # GraphRunner: decode / verify steps replay captured graphs
         self.last_prepare_s = 0.0  # host time of the last step's context building
         self.captured: Optional[list] = None  # set to [] to keep (request ids, logits) of every step (tests)
 
@@ -70,8 +71,12 @@ class ModelRunner:
         the device; a request's last token that is still there (req.pending) is taken from it."""
         t0 = time.perf_counter()
         ids, starts, counts, slots, nlog, patch_rows, patch_src = host_arrays(chunks)
-        ctx = build_context(ids, starts, counts, slots, nlog, self.cache.geometry, self.cache.block_tables,
-                            self.device, self.cache.host_block_tables)
+        key = self.graphs.key(counts, nlog) if self.graphs is not None else None
+        if key is not None:
+            ctx = self.graphs.prepare(key, ids, starts, counts, slots, nlog)
+        else:
+            ctx = build_context(ids, starts, counts, slots, nlog, self.cache.geometry, self.cache.block_tables,
+                                self.device, self.cache.host_block_tables)
         if patch_rows:
             rows = torch.tensor(patch_rows, device=self.device)
             ctx.input_ids[rows] = pending_tokens[torch.tensor(patch_src, device=self.device)]
@@ -91,7 +96,12 @@ class ModelRunner:
     def forward(self, chunks: list[ScheduledChunk], ctx: StepContext, *, return_streams: bool = False):
         """The model's flat forward -> logits [R, V] (constraint masks applied), and the final
         streams [N, hc, d] if asked."""
-        out = self.model.forward_step(ctx, self.cache, return_streams=return_streams)
+        if ctx.graph is not None:
+            out = self.graphs.run(ctx)
+            if not return_streams and self.graphs.return_streams:
+                out = out[0]
+        else:
+            out = self.model.forward_step(ctx, self.cache, return_streams=return_streams)
         logits = out[0] if return_streams else out
         if logits.shape[0]:
             reqs = [chunks[i].req for i in ctx.logits_req]

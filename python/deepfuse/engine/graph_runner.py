@@ -1,0 +1,159 @@
+"""CUDA graphs of the decode and verify steps.
+
+A step whose requests all run the same number of tokens T (decode: T = 1, one logits row
+each; verify: T = k + 1, T logits rows each) replays a graph captured for the smallest batch
+bucket >= its request count. The graph holds the whole device side of the step: the step
+context's expansions (context.device_context) from one static index buffer, and the model's
+flat forward; per step the host fills the buffer (one copy, stream-ordered, so it may be
+issued while the previous step still runs) and replays. Padding (context.Padding): pad
+requests have request slot -1 (they store nothing and read only their own scratch rows), pad
+blocks have no valid source, entry tables have the static width of the block tables, so one
+graph per (bucket, T) serves every context length. Padded rows' logits are dropped.
+
+On the CPU (no graphs) the same padded static steps run eagerly: tests of the padding.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .context import Padding, StepContext, device_context, host_context
+
+_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass
+class _Graph:
+    pad: Padding
+    buf: torch.Tensor                 # static int64 index buffer (the uploaded host arrays)
+    hc: object                        # the padded HostContext of the capture (its shapes)
+    d: list                           # views of buf, one per host array
+    ctx: StepContext                  # the captured context (its tensors are views of buf and graph memory)
+    graph: Optional["torch.cuda.CUDAGraph"]
+    out: object                       # logits [R, V] or (logits, streams [N, hc, d]), graph memory
+
+
+class GraphRunner:
+    def __init__(self, model, cache, *, max_reqs: int, tokens: tuple[int, ...] = (1,), return_streams: bool = False,
+                 buckets: Optional[tuple[int, ...]] = None):
+        self.model, self.cache = model, cache
+        self.device = model.device
+        self.capture = self.device.type == "cuda"
+        self.return_streams = return_streams
+        b = [x for x in (buckets or _BUCKETS) if x <= max_reqs]
+        if not b or b[-1] < max_reqs:
+            b.append(max_reqs)
+        self.buckets = tuple(b)
+        self.tokens = tuple(tokens)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = None
+        self.capture_s = 0.0
+        self._pinned: Optional[torch.Tensor] = None
+        self._copied: Optional[torch.cuda.Event] = None
+
+    # ------------------------------------------------------------------ shapes
+    def key(self, counts: np.ndarray, num_logits: np.ndarray) -> Optional[tuple[int, int]]:
+        """(bucket, T) of a step that a graph serves, else None."""
+        B = len(counts)
+        if B == 0 or B > self.buckets[-1]:
+            return None
+        T = int(counts[0])
+        if T not in self.tokens or (counts != T).any() or (num_logits != (1 if T == 1 else T)).any():
+            return None
+        return next(b for b in self.buckets if b >= B), T
+
+    def _padding(self, bucket: int, T: int) -> Padding:
+        geom = self.cache.geometry
+        blocks = tuple(bucket * (-(-T // r) + 1) for r, _ in geom.schedules)
+        entries = tuple(self.cache.block_tables[r].shape[1] * geom.page_size for r, _ in geom.schedules)
+        return Padding(bucket, T, 1 if T == 1 else T, blocks, entries)
+
+    # ------------------------------------------------------------------ capture
+    def _views(self, buf: torch.Tensor, hc) -> list[torch.Tensor]:
+        out, o = [], 0
+        for a in hc.arrays:
+            out.append(buf[o:o + a.size].view(a.shape))
+            o += a.size
+        return out
+
+    def _build(self, key: tuple[int, int]) -> _Graph:
+        bucket, T = key
+        pad = self._padding(bucket, T)
+        geom = self.cache.geometry
+        e = np.zeros(0, np.int64)
+        hc = host_context(e, e, e, e, e, geom, self.cache.host_block_tables, pad=pad)  # all pad requests
+        host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in hc.arrays]).astype(np.int64))
+        buf = host.to(self.device)
+        d = self._views(buf, hc)
+        fwd = lambda c: self.model.forward_step(c, self.cache, return_streams=self.return_streams)  # noqa: E731
+        if not self.capture:
+            return _Graph(pad, buf, hc, d, device_context(hc, d, geom, self.cache.block_tables, self.device), None, None)
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.no_grad():  # warm-up: lazy state (workspaces, handles) outside the graph
+            fwd(device_context(hc, d, geom, self.cache.block_tables, self.device))
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.pool), torch.no_grad():
+            ctx = device_context(hc, d, geom, self.cache.block_tables, self.device)
+            out = fwd(ctx)
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
+        return _Graph(pad, buf, hc, d, ctx, g, out)
+
+    def capture_all(self) -> float:
+        """Capture every (bucket, T), largest first (smaller ones reuse its memory) -> seconds."""
+        for T in self.tokens:
+            for b in reversed(self.buckets):
+                if (b, T) not in self.graphs:
+                    self.graphs[(b, T)] = self._build((b, T))
+        return self.capture_s
+
+    # ------------------------------------------------------------------ replay
+    def prepare(self, key, ids, starts, counts, slots, num_logits) -> StepContext:
+        """Fill the graph's static buffer for this step -> the step context the engine sees
+        (its host arrays are the real, unpadded ones; ctx.graph set)."""
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._build(key)
+        hc = host_context(ids, starts, counts, slots, num_logits, self.cache.geometry, self.cache.host_block_tables,
+                          pad=g.pad)
+        host = np.concatenate([a.reshape(-1) for a in hc.arrays]).astype(np.int64, copy=False)
+        if self.device.type == "cuda":
+            if self._pinned is None or self._pinned.numel() < host.size:
+                self._pinned = torch.empty(max(host.size, 1 << 16) * 2, dtype=torch.int64, pin_memory=True)
+            if self._copied is not None:
+                self._copied.synchronize()  # the previous step's copy has left the staging buffer
+            staged = self._pinned[:host.size]
+            staged.numpy()[:] = host
+            g.buf.copy_(staged, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            g.buf.copy_(torch.from_numpy(host))
+        return replace(g.ctx, num_tokens=int(counts.sum()), num_reqs=len(counts), starts=hc.starts, counts=hc.counts,
+                       logits_req=hc.logits_req, num_logits=hc.num_logits, graph=g)
+
+    def run(self, ctx: StepContext):
+        """Replay (or, on the CPU, run the padded step) -> logits [R, V] (and streams [N, hc, d])."""
+        g = ctx.graph
+        if g.graph is not None:
+            g.graph.replay()
+            out = g.out
+        else:  # the padded step, eagerly: its context expanded from the filled buffer
+            c = device_context(g.hc, g.d, self.cache.geometry, self.cache.block_tables, self.device)
+            with torch.no_grad():
+                out = self.model.forward_step(c, self.cache, return_streams=self.return_streams)
+        R, N = len(ctx.logits_req), ctx.num_tokens
+        if self.return_streams:
+            return out[0][:R], out[1][:N]
+        return out[:R]
