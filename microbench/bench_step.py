@@ -141,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny widths: a smoke test")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
+    ap.add_argument("--spec", type=int, default=0, help="MTP drafts per step (speculative decoding)")
+    ap.add_argument("--acc", type=float, default=None, help="simulated mean accepted length (with --spec)")
     ap.add_argument("--reference", action="store_true",
                     help="every model-graph op through its torch reference (the eager baseline)")
     a = ap.parse_args(argv)
@@ -172,11 +174,14 @@ def main(argv=None) -> int:
         for B in a.batches:
             llm = LLM(model, kv_dtype="fp8", max_num_seqs=B, max_num_batched_tokens=max(256, B * 4),
                       max_total_tokens=B * (ctx + 128), max_model_len=ctx + 128, overlap=False,
-                      cuda_graphs=not (a.no_graphs or a.reference))
+                      cuda_graphs=not (a.no_graphs or a.reference), num_speculative_tokens=a.spec,
+                      spec_simulate_acc_len=a.acc)
             eng = llm.engine
             fill_caches(eng.cache, g)
             start_requests(eng, B, ctx, gc)
-            eng.step()  # warm-up
+            eng.step()  # warm-up (with --spec: the first drafts)
+            eng.step()
+            spec0 = eng.stats()["spec"] if a.spec else None
             ts = []
             for _ in range(a.steps):
                 _sync(dev)
@@ -188,6 +193,12 @@ def main(argv=None) -> int:
             fl = floor_bytes(model, B, ctx)
             row = {"B": B, "context": ctx, "step_ms": step * 1e3, "floor_MB": fl / 1e6,
                    "graph_capture_s": eng.graph_capture_s}
+            if a.spec:  # tokens each request emits per step, over the timed steps
+                st = eng.stats()["spec"]
+                rows_v = st["verify_steps"] - spec0["verify_steps"]
+                row["tokens_per_step"] = ((st["mean_accepted_length"] or 0) * st["verify_steps"]
+                                          - (spec0["mean_accepted_length"] or 0) * spec0["verify_steps"]) / max(rows_v, 1)
+                row["tok_s_per_req"] = row["tokens_per_step"] / step
             if copy:
                 row["floor_ms"] = fl / copy * 1e3
                 row["x_floor"] = step / (fl / copy)
@@ -204,7 +215,10 @@ def main(argv=None) -> int:
             "copy_tbps": copy / 1e12 if copy else None}
     meta["path"] = "reference" if a.reference else "kernels"
     meta["graphs"] = not (a.no_graphs or a.reference)
+    meta["spec"], meta["acc"] = a.spec, a.acc
     name = "step_reference" if a.reference else "step_eager" if a.no_graphs else "step"
+    if a.spec:
+        name += f"_spec{a.spec}_acc{a.acc}"
     (out / f"{name}.json").write_text(json.dumps({"kernel": "step", "context": meta, "rows": rows}, indent=1))
     return 0
 
