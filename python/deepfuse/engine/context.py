@@ -142,7 +142,7 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 class Padding:
     """Static shapes of a captured step (engine/graph_runner.py): requests are padded to
     `reqs` (pad requests: request slot -1, `tokens` tokens from position 0, nothing stored,
-    nothing read but their own scratch rows), each schedule's new blocks to `blocks[i]` (pad
+    no window or compressed rows read), each schedule's new blocks to `blocks[i]` (pad
     blocks: no valid source, slot -1) and its entry tables to `entries[i]` columns."""
 
     reqs: int
@@ -244,8 +244,9 @@ def device_context(hc: HostContext, d: list[torch.Tensor], geom: CacheGeometry, 
     kpos = pos_d[:, None] - (W - 1) + ar_w[None, :]
     ring_slot = tok_slot_d[:, None] * Wp + kpos.remainder(Wr)
     fresh = geom.scratch_base + (_arange(N, dev) - pos_d)[:, None] + kpos
-    win_idx = torch.where(kpos < tok_start_d[:, None], ring_slot, fresh).masked_fill_(kpos < 0, -1)
-    window = WindowPlan(win_idx, geom.scratch_base + _arange(N, dev), ring_d)
+    pad = tok_slot_d < 0  # pad requests of a captured step: no scratch rows either
+    win_idx = torch.where(kpos < tok_start_d[:, None], ring_slot, fresh).masked_fill_((kpos < 0) | pad[:, None], -1)
+    window = WindowPlan(win_idx, torch.where(pad, -1, geom.scratch_base + _arange(N, dev)), ring_d)
 
     plans = {}
     for r, overlap, R, cmax, nb, k in hc.plan_host:

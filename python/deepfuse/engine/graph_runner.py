@@ -6,7 +6,7 @@ bucket >= its request count. The graph holds the whole device side of the step: 
 context's expansions (context.device_context) from one static index buffer, and the model's
 flat forward; per step the host fills the buffer (one copy, stream-ordered, so it may be
 issued while the previous step still runs) and replays. Padding (context.Padding): pad
-requests have request slot -1 (they store nothing and read only their own scratch rows), pad
+requests have request slot -1 (they store nothing and read nothing: no window rows), pad
 blocks have no valid source, entry tables have the static width of the block tables, so one
 graph per (bucket, T) serves every context length. Padded rows' logits are dropped.
 
