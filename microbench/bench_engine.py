@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 64, 256])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny", help="tiny, a checkpoint directory, or flash[:swa,csa,...] (random)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kv-dtype", default="auto")
     ap.add_argument("--overlap", choices=["on", "off", "both"], default="both")
@@ -119,8 +119,17 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"# engine overhead | {name} | model {a.model} | kv {a.kv_dtype} | context {a.context}")
     rows = []
+    model = a.model
+    if model.startswith("flash"):  # a random V4-Flash-width model built on the device: flash[:swa,csa,...]
+        from deepfuse.models import random as rnd
+        from microbench.bench_step import KINDS
+
+        layers = model.split(":", 1)[1] if ":" in model else "swa,csa,hca,csa"
+        model = rnd.build(rnd.flash_config([KINDS[k] for k in layers.split(",")]), device=dev,
+                          dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, quant="fp8",
+                          expert_quant="fp8")
     for ov in ([False, True] if a.overlap == "both" else [a.overlap == "on"]):
-        llm = LLM(a.model, device=dev, kv_dtype=a.kv_dtype, max_num_seqs=B_max, overlap=ov,
+        llm = LLM(model, device=dev if isinstance(model, str) else None, kv_dtype=a.kv_dtype, max_num_seqs=B_max, overlap=ov,
                   max_num_batched_tokens=max(2048, a.context * 4), max_total_tokens=B_max * (a.context + 1100))
         rows += [bench(llm, B, a.context, a.steps) for B in a.batches]
         del llm

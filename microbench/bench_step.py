@@ -112,6 +112,20 @@ def floor_bytes(model, B: int, context: int) -> float:
     return other + expert * frac + B * kv
 
 
+def replay_ms(graph, reps: int = 10) -> float:
+    """Median time of one replay of a captured step (it repeats the step last written to its
+    buffers: the same rows rewritten, same reads)."""
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
 def step_profile(eng, dev, top: int = 12) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -193,6 +207,15 @@ def main(argv=None) -> int:
             fl = floor_bytes(model, B, ctx)
             row = {"B": B, "context": ctx, "step_ms": step * 1e3, "floor_MB": fl / 1e6,
                    "graph_capture_s": eng.graph_capture_s}
+            if a.spec and eng.runner.graphs is not None:  # verify vs plain decode: the graphs' replay times
+                gr = eng.runner.graphs
+                bucket = next(b for b in gr.buckets if b >= B)
+                for T, name in ((1, "decode_replay_ms"), (a.spec + 1, "verify_replay_ms")):
+                    g_ = gr.graphs.get((bucket, T))
+                    if g_ is not None and g_.graph is not None:
+                        row[name] = replay_ms(g_.graph)
+                if "decode_replay_ms" in row and "verify_replay_ms" in row:
+                    row["verify_x_decode"] = row["verify_replay_ms"] / row["decode_replay_ms"]
             if a.spec:  # tokens each request emits per step, over the timed steps
                 st = eng.stats()["spec"]
                 rows_v = st["verify_steps"] - spec0["verify_steps"]

@@ -19,13 +19,26 @@ def _load(model, device, dtype):
             raise ValueError(f"deepfuse: LLM: dtype {dtype} differs from the model's ({model.dtype})")
         return model
     if not isinstance(model, str):
-        raise ValueError(f"deepfuse: LLM: model must be a checkpoint directory, 'tiny' or a V4Model, got "
+        raise ValueError(f"deepfuse: LLM: model must be a checkpoint directory, 'tiny', 'random-flash[:layers]' or a "
+                         f"V4Model, got "
                          f"{type(model).__name__}")
     device = torch.device(device or "cpu")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if model == "tiny":
         return models.tiny.load(device=device, dtype=dtype)
+    if model == "random-flash" or model.startswith("random-flash:"):
+        # a random V4-Flash-width model built on the device (benchmarks): random-flash[:swa,csa,hca,...]
+        from deepfuse.models import random as rnd
+
+        kinds = {"swa": "sliding_attention", "csa": "compressed_sparse_attention",
+                 "hca": "heavily_compressed_attention"}
+        layers = model.split(":", 1)[1].split(",") if ":" in model else ["swa", "csa", "hca", "csa"]
+        bad = [k for k in layers if k not in kinds]
+        if bad:
+            raise ValueError(f"deepfuse: LLM: random-flash layer kinds are swa / csa / hca, got {bad}")
+        return rnd.build(rnd.flash_config([kinds[k] for k in layers]), device=device, dtype=dtype, quant="fp8",
+                         expert_quant="fp8")
     return models.load(model, device=device, dtype=dtype)
 
 

@@ -8,7 +8,8 @@ import threading
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m deepfuse.serve", description="OpenAI-compatible deepfuse server")
-    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (the bundled random V4)")
+    p.add_argument("--model", default="tiny", help="checkpoint directory, 'tiny' (the bundled random V4), or "
+                   "'random-flash[:swa,csa,hca,...]' (a random V4-Flash-width model built on the device)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cuda / cpu (default: cpu)")
