@@ -3,8 +3,9 @@
 python -m microbench.bench_prefix --out DIR [--layers swa,csa,hca,csa] [--prompt 32768 --cached 31744]
 
 - TTFT: a `prompt`-token prompt whose first `cached` tokens an earlier request left in the
-  prefix cache (its prompt: those tokens + different ones), against the same prompt on an
-  engine without prefix caching (goal: >= 10x faster).
+  prefix cache (its prompt: exactly those tokens, as a previous turn; and, as a second figure,
+  those tokens + different ones), against the same prompt on an engine without prefix
+  caching (goal: >= 10x faster).
 - Multi-turn: `convs` conversations of `turns` turns run together; each turn resends the
   whole history plus `user` new tokens and generates `reply` tokens; wall time and output
   tokens / s with prefix caching on and off.
@@ -93,24 +94,35 @@ def main(argv=None) -> int:
     V = cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, V, (a.prompt,), generator=g).tolist()
-    other = prompt[:a.cached] + torch.randint(0, V, (a.prompt - a.cached,), generator=g).tolist()
+    prompt2 = torch.randint(0, V, (a.prompt,), generator=g).tolist()
+    other = prompt2[:a.cached] + torch.randint(0, V, (a.prompt - a.cached,), generator=g).tolist()
     kw = dict(kv_dtype="fp8" if dev.type == "cuda" else "auto", max_num_seqs=max(8, a.convs),
               max_num_batched_tokens=8192, max_model_len=a.prompt + 2 * a.user * a.turns + 1024,
               max_total_tokens=max(4 * a.prompt, a.convs * (a.user + a.reply) * a.turns + 4096))
     rows = {}
     for cache_on in (False, True):
         llm = LLM(model, enable_prefix_caching=cache_on, **kw)
-        ttft(llm, other[: a.prompt // 4], dev)  # warm-up
+        ttft(llm, torch.randint(0, V, (a.prompt // 4,), generator=g).tolist(), dev)  # warm-up
+        row = {}
         if cache_on:
-            ttft(llm, other, dev)  # leaves `cached` tokens of `prompt` in the prefix cache
-        t = ttft(llm, prompt, dev)
-        mt = multi_turn(llm, a.convs, a.turns, a.user, a.reply, V, dev)
-        rows["cached" if cache_on else "uncached"] = {"ttft_s": t, "multi_turn": mt,
-                                                       "prefix": llm.engine.stats().get("prefix")}
-        print(("prefix caching on " if cache_on else "prefix caching off"), f"TTFT {t * 1e3:.1f} ms,",
+            # extend: an earlier request was exactly the first `cached` tokens (a previous turn)
+            ttft(llm, prompt[:a.cached], dev)
+            row["ttft_s"] = ttft(llm, prompt, dev)
+            # diverge: the earlier request shared `cached` tokens, then went on differently; the
+            # deepest saved state inside the shared part is the last prefill-chunk end before it
+            ttft(llm, other, dev)
+            row["ttft_diverge_s"] = ttft(llm, prompt2, dev)
+        else:
+            row["ttft_s"] = ttft(llm, prompt, dev)
+        row["multi_turn"] = mt = multi_turn(llm, a.convs, a.turns, a.user, a.reply, V, dev)
+        row["prefix"] = llm.engine.stats().get("prefix_cache")
+        rows["cached" if cache_on else "uncached"] = row
+        extra = f" (diverging earlier prompt: {row['ttft_diverge_s'] * 1e3:.1f} ms)" if cache_on else ""
+        print(("prefix caching on " if cache_on else "prefix caching off"), f"TTFT {row['ttft_s'] * 1e3:.1f} ms{extra},",
               f"multi-turn {mt['seconds']:.2f} s, {mt['output_tok_s']:.0f} output tok/s")
         del llm
     rows["ttft_speedup"] = rows["uncached"]["ttft_s"] / rows["cached"]["ttft_s"]
+    rows["ttft_diverge_speedup"] = rows["uncached"]["ttft_s"] / rows["cached"]["ttft_diverge_s"]
     rows["multi_turn_speedup"] = rows["uncached"]["multi_turn"]["seconds"] / rows["cached"]["multi_turn"]["seconds"]
     print(f"TTFT {rows['ttft_speedup']:.1f}x faster cached; multi-turn {rows['multi_turn_speedup']:.2f}x")
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

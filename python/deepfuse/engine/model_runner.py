@@ -10,7 +10,7 @@ import torch
 
 from .cache import CacheManager
 from .context import StepContext, build_context
-from .sampler import Sampler, SamplerOutput, SamplingBatch
+from .sampler import Sampler, SamplerOutput, SamplingBatch, to_device
 from .scheduler import ScheduledChunk
 
 
@@ -78,8 +78,8 @@ class ModelRunner:
             ctx = build_context(ids, starts, counts, slots, nlog, self.cache.geometry, self.cache.block_tables,
                                 self.device, self.cache.host_block_tables)
         if patch_rows:
-            rows = torch.tensor(patch_rows, device=self.device)
-            ctx.input_ids[rows] = pending_tokens[torch.tensor(patch_src, device=self.device)]
+            rows = to_device(patch_rows, torch.int64, self.device)
+            ctx.input_ids[rows] = pending_tokens[to_device(patch_src, torch.int64, self.device)]
         self.last_prepare_s = time.perf_counter() - t0
         return ctx
 

@@ -40,6 +40,16 @@ from deepfuse.ops.topk import MAX_K as _TOPK_MAX_K
 _MASK64 = (1 << 64) - 1
 
 
+def to_device(x, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list / array as a device tensor without a host sync: on CUDA through pinned
+    memory, non-blocking (a pageable copy would wait for the work in flight: no overlap)."""
+    t = torch.as_tensor(x, dtype=dtype)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
 def _i64(c: int) -> int:
     """The int64 whose two's-complement bits are the unsigned 64-bit c."""
     c &= _MASK64
@@ -111,7 +121,7 @@ class SamplingBatch:
                    num_logprobs: int = 0, want_logprobs: bool = False, device="cpu") -> "SamplingBatch":
         """Tensors and flags from Python lists; seeds are taken modulo 2^64."""
         def t(x, dtype):
-            return torch.tensor(list(x), dtype=dtype, device=device)
+            return to_device(list(x), dtype, device)
         return cls(t(temperature, torch.float32), t(top_k, torch.int32), t(top_p, torch.float32),
                    t(min_p, torch.float32), t([_i64(s) for s in seed], torch.int64),
                    t(position, torch.int64),
