@@ -117,60 +117,38 @@ __global__ void __launch_bounds__(kThreads) hc_finish_kernel(const T* __restrict
     mix[k][m] = s;
   }
   __syncthreads();
-  if (tid < ntok) {
-    const int k = tid;
+  // One warp per token: lanes 0..15 hold comb[i][j] (i = lane / 4, j = lane % 4), so row sums
+  // reduce over lanes xor 1, 2 and column sums over xor 4, 8 (lanes 16..31 mirror 0..15).
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp < ntok) {
+    const int k = warp;
     const int64_t t = t0 + k;
     const float r = rsqrtf(mix[k][MIX] / L + norm_eps);
-    if constexpr (MIX == kN) {  // head
-#pragma unroll
-      for (int i = 0; i < kN; ++i) pre_s[k][i] = sigmoidf(mix[k][i] * r * scale[0] + base[i]) + hc_eps;
-    } else {
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        pre_s[k][i] = sigmoidf(mix[k][i] * r * scale[0] + base[i]) + hc_eps;
-        post[t * kN + i] = 2.0f * sigmoidf(mix[k][kN + i] * r * scale[1] + base[kN + i]);
-      }
-      float c[kN][kN];
-#pragma unroll
-      for (int i = 0; i < kN; ++i) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < kN; ++j) {
-          c[i][j] = mix[k][2 * kN + i * kN + j] * r * scale[2] + base[2 * kN + i * kN + j];
-          mx = fmaxf(mx, c[i][j]);
-        }
-        float s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kN; ++j) s += (c[i][j] = expf(c[i][j] - mx));
-#pragma unroll
-        for (int j = 0; j < kN; ++j) c[i][j] = c[i][j] / s + hc_eps;
-      }
-      auto colnorm = [&] {
-#pragma unroll
-        for (int j = 0; j < kN; ++j) {
-          float s = 0.0f;
-#pragma unroll
-          for (int i = 0; i < kN; ++i) s += c[i][j];
-#pragma unroll
-          for (int i = 0; i < kN; ++i) c[i][j] = c[i][j] / (s + hc_eps);
-        }
+    if (lane < kN) {
+      pre_s[k][lane] = sigmoidf(mix[k][lane] * r * scale[0] + base[lane]) + hc_eps;
+      if constexpr (MIX != kN) post[t * kN + lane] = 2.0f * sigmoidf(mix[k][kN + lane] * r * scale[1] + base[kN + lane]);
+    }
+    if constexpr (MIX != kN) {
+      const int e = lane & 15;
+      auto rows = [](float v) {
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        return v + __shfl_xor_sync(0xffffffffu, v, 2);
       };
-      colnorm();
+      auto cols = [](float v) {
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        return v + __shfl_xor_sync(0xffffffffu, v, 8);
+      };
+      float c = mix[k][2 * kN + e] * r * scale[2] + base[2 * kN + e];
+      float mx = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      c = expf(c - mx);
+      c = c / rows(c) + hc_eps;
+      c = c / (cols(c) + hc_eps);
       for (int it = 1; it < iters; ++it) {
-#pragma unroll
-        for (int i = 0; i < kN; ++i) {
-          float s = 0.0f;
-#pragma unroll
-          for (int j = 0; j < kN; ++j) s += c[i][j];
-#pragma unroll
-          for (int j = 0; j < kN; ++j) c[i][j] = c[i][j] / (s + hc_eps);
-        }
-        colnorm();
+        c = c / (rows(c) + hc_eps);
+        c = c / (cols(c) + hc_eps);
       }
-#pragma unroll
-      for (int i = 0; i < kN; ++i)
-#pragma unroll
-        for (int j = 0; j < kN; ++j) comb[(t * kN + i) * kN + j] = c[i][j];
+      if (lane < kN * kN) comb[t * kN * kN + e] = c;
     }
   }
   __syncthreads();
