@@ -115,15 +115,9 @@ def floor_bytes(model, B: int, context: int) -> float:
 def replay_ms(graph, reps: int = 10) -> float:
     """Median time of one replay of a captured step (it repeats the step last written to its
     buffers: the same rows rewritten, same reads)."""
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    from microbench.harness import replay_times_ms
+
+    return statistics.median(replay_times_ms(graph, reps))
 
 
 def step_profile(eng, dev, top: int = 12) -> list[dict]:

@@ -90,6 +90,19 @@ def time_eager(fn: Callable[[], object], *, calls: int = 200) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
+def replay_times_ms(graph, reps: int) -> list[float]:
+    """CUDA-event time of each of `reps` replays of a captured graph, in ms."""
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return ts
+
+
 def time_graph(fn: Callable[[], object], *, calls: int = 20, reps: int = 20) -> Timing:
     """Per-call time of `calls` back-to-back fn() captured in one CUDA graph (L2 warm)."""
     s = torch.cuda.Stream()
@@ -104,15 +117,7 @@ def time_graph(fn: Callable[[], object], *, calls: int = 20, reps: int = 20) -> 
             fn()
     g.replay()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    ts.sort()
+    ts = sorted(t * 1e3 / calls for t in replay_times_ms(g, reps))
     return Timing(statistics.median(ts), ts[len(ts) // 10], ts[(len(ts) * 9) // 10])
 
 

@@ -152,10 +152,10 @@ def test_compress_store(kind, D, r, overlap):
     # the stored bytes are the store op's of the kernel's own rows; untouched rows keep their poison
     exp = before.clone()
     t = RowTarget(exp, kind, ps)
-    from deepfuse.ops.kvcache import store_rows_ref
+    from deepfuse.ops.kvcache import store_rows
 
     ok = plan.blk_slot >= 0
-    store_rows_ref(t, rows[ok], plan.blk_slot[ok])
+    store_rows(t, rows[ok], plan.blk_slot[ok])
     assert torch.equal(pages, exp)
 
 

@@ -23,17 +23,12 @@ import torch
 
 from deepfuse import kv_format as F
 from deepfuse import ops
+from deepfuse.ops.kvcache import store_rows
 
 from .allocator import PageAllocator
 from .context import CacheGeometry
 
 KV_DTYPES = ("auto", "fp8", "bf16")
-
-
-def _dense_store(pages: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-    flat = pages.view(-1, pages.shape[-1])
-    trash = flat.shape[0] - 1
-    flat.index_copy_(0, torch.where(slots >= 0, slots, trash), rows.to(flat.dtype))
 
 
 @dataclass
@@ -48,12 +43,6 @@ class LayerCacheView:
     page_size: int = 0
     states: dict = field(default_factory=dict)  # name -> (kv [S * R + 1, w], score [S * R + 1, w])
 
-    def _store_kv(self, pages: torch.Tensor, ps: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        if self.fp8:
-            ops.kv_store(F.KVPages(F.KVFormat(ps, "fp8"), pages.unsqueeze(0)), slots, rows.to(torch.bfloat16))
-        else:
-            _dense_store(pages, rows, slots)
-
     def window_target(self) -> ops.RowTarget:
         return ops.RowTarget(self.ring, "kv_fp8" if self.fp8 else "dense", self.ring_page_size)
 
@@ -64,7 +53,7 @@ class LayerCacheView:
         return ops.RowTarget(self.index, "idx_fp8" if self.fp8 else "dense", self.page_size)
 
     def store_window(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        self._store_kv(self.ring, self.ring_page_size, rows, slots)
+        store_rows(self.window_target(), rows, slots)
 
 
 @dataclass

@@ -102,9 +102,14 @@ class _Upload:
         self._pinned: dict[torch.device, torch.Tensor] = {}
         self._done: dict[torch.device, torch.cuda.Event] = {}
 
-    def __call__(self, arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    def __call__(self, arrays: list[np.ndarray], device: torch.device,
+                 out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """-> views of the device copy, one per array; out: a device buffer to copy into (a
+        captured graph's static buffer) instead of a new tensor."""
         sizes = [a.size for a in arrays]
         host = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int64, copy=False)
+        if out is not None:
+            out = out[:host.size]
         if device.type == "cuda":
             buf = self._pinned.get(device)
             if buf is None or buf.numel() < host.size:
@@ -115,11 +120,11 @@ class _Upload:
                 ev.synchronize()  # the previous step's copy has left the staging buffer
             staged = buf[:host.size]
             staged.numpy()[:] = host
-            dev = staged.to(device, non_blocking=True)
+            dev = staged.to(device, non_blocking=True) if out is None else out.copy_(staged, non_blocking=True)
             ev = self._done[device] = torch.cuda.Event()
             ev.record()
         else:
-            dev = torch.from_numpy(host)
+            dev = torch.from_numpy(host) if out is None else out.copy_(torch.from_numpy(host))
         out, o = [], 0
         for a, n in zip(arrays, sizes):
             out.append(dev[o:o + n].view(a.shape))
@@ -127,7 +132,7 @@ class _Upload:
         return out
 
 
-_upload = _Upload()
+upload = _Upload()
 _aranges: dict[tuple, torch.Tensor] = {}
 
 
@@ -284,4 +289,4 @@ def build_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     expansions run on the device."""
     dev = torch.device(device)
     hc = host_context(input_ids, starts, counts, slots, num_logits, geom, host_block_tables)
-    return device_context(hc, _upload(hc.arrays, dev), geom, block_tables, dev)
+    return device_context(hc, upload(hc.arrays, dev), geom, block_tables, dev)

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .context import Padding, StepContext, device_context, host_context
+from .context import Padding, StepContext, device_context, host_context, upload
 
 _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
@@ -52,8 +52,6 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
         self.capture_s = 0.0
-        self._pinned: Optional[torch.Tensor] = None
-        self._copied: Optional[torch.cuda.Event] = None
 
     # ------------------------------------------------------------------ shapes
     def key(self, counts: np.ndarray, num_logits: np.ndarray) -> Optional[tuple[int, int]]:
@@ -127,19 +125,7 @@ class GraphRunner:
             g = self.graphs[key] = self._build(key)
         hc = host_context(ids, starts, counts, slots, num_logits, self.cache.geometry, self.cache.host_block_tables,
                           pad=g.pad)
-        host = np.concatenate([a.reshape(-1) for a in hc.arrays]).astype(np.int64, copy=False)
-        if self.device.type == "cuda":
-            if self._pinned is None or self._pinned.numel() < host.size:
-                self._pinned = torch.empty(max(host.size, 1 << 16) * 2, dtype=torch.int64, pin_memory=True)
-            if self._copied is not None:
-                self._copied.synchronize()  # the previous step's copy has left the staging buffer
-            staged = self._pinned[:host.size]
-            staged.numpy()[:] = host
-            g.buf.copy_(staged, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            g.buf.copy_(torch.from_numpy(host))
+        upload(hc.arrays, self.device, out=g.buf)  # pinned staging, stream-ordered after the step in flight
         return replace(g.ctx, num_tokens=int(counts.sum()), num_reqs=len(counts), starts=hc.starts, counts=hc.counts,
                        logits_req=hc.logits_req, num_logits=hc.num_logits, graph=g)
 

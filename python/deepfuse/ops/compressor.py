@@ -26,7 +26,7 @@ import torch
 from deepfuse import _ext
 from deepfuse.ops._checks import check_tensor
 from deepfuse.ops._registry import op
-from deepfuse.ops.kvcache import RowTarget, store_rows_ref
+from deepfuse.ops.kvcache import RowTarget, store_rows
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,7 +75,7 @@ def _compress_store(kv, score, state_kv, state_score, ape, src_fresh, src_state,
                     overlap, norm_weight, eps, cos, sin, pages, kind, page_size, slots):
     rows = compress_rows_ref(kv, score, state_kv, state_score, ape, src_fresh, src_state, src_is_fresh, src_valid,
                              src_ape, overlap, norm_weight, eps, cos, sin)
-    store_rows_ref(RowTarget(pages, kind, page_size), rows, slots)
+    store_rows(RowTarget(pages, kind, page_size), rows, slots)
     return rows
 
 

@@ -578,8 +578,9 @@ class RowTarget:
                 self.page_size)
 
 
-def store_rows_ref(target: RowTarget, rows: torch.Tensor, slots: torch.Tensor) -> None:
-    """The reference store of rows [N, D] at slots [N] (negative: skipped / the trash page)."""
+def store_rows(target: RowTarget, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store rows [N, D] at slots [N] of target through the cache's store ops (negative slots:
+    skipped, or the trash page of a dense target). The reference of the fused stores."""
     if target.kind == "kv_fp8":
         kv_store(KVPages(F.KVFormat(target.page_size, "fp8"), target.pages.unsqueeze(0)), slots,
                  rows.to(torch.bfloat16))

@@ -23,7 +23,7 @@ import torch
 from deepfuse import _ext
 from deepfuse.ops._checks import check_tensor
 from deepfuse.ops._registry import op
-from deepfuse.ops.kvcache import RowTarget, store_rows_ref
+from deepfuse.ops.kvcache import RowTarget, store_rows
 from deepfuse.ops.rope import rope_ref
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,7 +112,7 @@ def _(x, weight, eps, cos, sin):
                        "int page_size, Tensor slots) -> Tensor")
 def _norm_rope_store(x, weight, eps, cos, sin, pages, kind, page_size, slots):
     y = norm_rope_ref(x, weight, eps, cos, sin)
-    store_rows_ref(RowTarget(pages, kind, page_size), y, slots)
+    store_rows(RowTarget(pages, kind, page_size), y, slots)
     return y
 
 
@@ -123,7 +123,7 @@ def _(x, weight, eps, cos, sin, pages, kind, page_size, slots):
     fits = D == 512 if kind == "kv_fp8" else D == 128 if kind != "dense" else D <= 512
     if not (rows_kernel_ok(x, weight, cos, sin) and target.kernel_ok() and fits and slots.dtype == torch.int64):
         y = norm_rope_ref(x, weight, eps, cos, sin)
-        store_rows_ref(target, y, slots)
+        store_rows(target, y, slots)
         return y
     xc = x.contiguous()
     y = torch.empty_like(xc)
