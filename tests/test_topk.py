@@ -5,7 +5,10 @@ GPU checks (every case, every row, vectorised on the GPU):
 - real slots: indices unique and in [0, L); values == x at the indices (bit-exact);
 - the multiset of selected keys equals the top min(k, L) keys of the row (so also
   min(selected) >= max(unselected)); keys order NaN above +inf and merge -0.0 with +0.0;
-- sorted=True: keys non-increasing along the row.
+- sorted=True: keys non-increasing along the row;
+- canonical ties: the selected index set (sorted=True: the index sequence) equals the
+  canonical one, computed independently from the integer keys by a stable sort (among
+  equal keys the lower index wins; sorted ties in ascending index order).
 Failures name the case (dtype, B, N, k, input kind, lengths, launch plan) and the row.
 """
 from __future__ import annotations
@@ -99,6 +102,24 @@ def ragged(B: int, N: int, k: int, device, seed: int) -> torch.Tensor:
     return L.to(device)
 
 
+def canonical(x: torch.Tensor, k: int, lengths: torch.Tensor | None) -> torch.Tensor:
+    """int64 [B, k]: the canonical sorted selection (key descending, equal keys by ascending
+    index), padded with -1; from the integer keys, independent of the float64 reference."""
+    B, N = x.shape
+    dev = x.device
+    L = lengths.long().clamp(0, N) if lengths is not None else torch.full((B,), N, device=dev)
+    out = torch.full((B, k), -1, dtype=torch.int64, device=dev)
+    if B == 0 or N == 0:
+        return out
+    valid = torch.arange(N, device=dev)[None, :] < L[:, None]
+    keys = torch.where(valid, order_keys(x), torch.full((B, N), -1, dtype=torch.int64, device=dev))
+    W = min(k, N)
+    idx = keys.sort(dim=1, descending=True, stable=True).indices[:, :W]
+    real = torch.arange(W, device=dev)[None, :] < L.clamp(max=k)[:, None]
+    out[:, :W] = torch.where(real, idx, -1)
+    return out
+
+
 def check(x, k, lengths, sorted_, values, indices, tag: str) -> None:
     B, N = x.shape
     dev = x.device
@@ -147,6 +168,11 @@ def check(x, k, lengths, sorted_, values, indices, tag: str) -> None:
     fail((kk > 0) & (min_sel < max_un), "min(selected) < max(unselected)")
     if sorted_ and k > 1:
         fail(real[:, 1:] & (selk[:, 1:] > selk[:, :-1]), "sorted=True row not descending")
+    can = canonical(x, k, lengths)
+    if sorted_:
+        fail(idx != can, "sorted=True indices != canonical (ties: lower index first)")
+    else:
+        fail(idx.sort(1).values != can.sort(1).values, "selected set != canonical (ties: lower index wins)")
 
 
 def plan_of(dtype, B, N, k, sorted_=False) -> str:
@@ -234,6 +260,78 @@ def test_reference_invariants(dtype):
         v, i = ops.topk(x, 40, lengths=L, sorted=True)
         # the CPU checker shares the GPU's logic
         check(x, 40, L, True, v, i, f"cpu {dtype} {kind}")
+
+
+def _brute_canonical(x: torch.Tensor, k: int, L: int) -> list[int]:
+    """One row, by hand: sort positions by (key descending, index ascending), keep k."""
+    keys = order_keys(x[None])[0].tolist()
+    return sorted(range(L), key=lambda j: (-keys[j], j))[:k]
+
+
+def _tie_rows(dtype, gen: torch.Generator) -> list[tuple[torch.Tensor, int, int]]:
+    """(row, k, L) with many exact ties, ties straddling the k boundary, ragged lengths."""
+    rows = []
+    z = torch.zeros(300, dtype=dtype)
+    rows += [(z, 7, 300), (z, 300, 300), (z, 64, 100), (z, 1, 0), (z, 512, 300)]
+    r = torch.relu(torch.randn(300, generator=gen)).to(dtype)  # ~half exact zeros
+    npos = int((r > 0).sum())
+    rows += [(r, npos + 5, 300), (r, npos, 300), (r, npos + 1, 250), (r, 200, 300), (r, 3, 300)]
+    t = torch.randint(-2, 3, (300,), generator=gen).to(dtype)  # 5 values: every boundary a tie
+    rows += [(t, k, L) for k in (1, 59, 60, 61, 150, 299) for L in (300, 123)]
+    sz = torch.where(torch.rand(300, generator=gen) < 0.5, -0.0, 0.0).to(dtype)  # -0.0 == +0.0
+    sz[::17] = 1.0
+    rows += [(sz, 30, 300), (sz, 5, 300)]
+    nn = torch.randn(300, generator=gen).to(dtype)  # NaNs of both signs / payloads tie
+    nn[::7] = float("nan")
+    nn[3::11] = -float("nan")
+    nn[5::13] = float("inf")
+    rows += [(nn, 20, 300), (nn, 50, 300), (nn, 80, 200)]
+    return rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_canonical_ties(dtype):
+    gen = torch.Generator().manual_seed(3)
+    for n, (row, k, L) in enumerate(_tie_rows(dtype, gen)):
+        want = _brute_canonical(row, k, L)
+        v, i = ops.topk(row[None], k, lengths=torch.tensor([L], dtype=torch.int32), sorted=True)
+        got = i[0].tolist()
+        assert got[:len(want)] == want and all(g == -1 for g in got[len(want):]), (dtype, n, k, L, got[:20])
+        assert torch.equal(raw_bits(v[0, :len(want)]), raw_bits(row[want])), (dtype, n)
+        i2 = ops.topk(row[None], k, lengths=torch.tensor([L], dtype=torch.int32), return_values=False)
+        assert sorted(x for x in i2[0].tolist() if x >= 0) == sorted(want), (dtype, n)
+    z = torch.zeros(4, 1000, dtype=dtype)  # all zeros: exactly the first k
+    assert torch.equal(ops.topk(z, 100, sorted=True)[1], torch.arange(100, dtype=torch.int32).expand(4, 100))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_selection_independent_of_shape(dtype):
+    """A row's selection is the same alone, in a batch, as a slice of a longer tensor (with
+    lengths) or of a shorter one, for any neighbours, k > N included."""
+    gen = torch.Generator().manual_seed(4)
+    for n, (row, k, L) in enumerate(_tie_rows(dtype, gen)):
+        want = ops.topk(row[None, :L].contiguous(), k, sorted=True)[1][0]
+        others = torch.randint(-1, 2, (5, 700), generator=gen).to(dtype)
+        wide = others.clone()
+        wide[2, :L] = row[:L]
+        wide[2, L:] = torch.randint(-1, 3, (700 - L,), generator=gen).to(dtype)  # junk past L
+        lens = torch.tensor([700, 13, L, 0, 699], dtype=torch.int32)
+        assert torch.equal(ops.topk(wide, k, lengths=lens, sorted=True)[1][2], want), (dtype, n)
+        assert torch.equal(ops.topk(wide[1:4], k, lengths=lens[1:4], sorted=True)[1][1], want), (dtype, n)
+        narrow = torch.cat([others[:3, :L], row[None, :L], others[3:, :L]])  # N = L exactly
+        assert torch.equal(ops.topk(narrow, k, sorted=True)[1][3], want), (dtype, n)
+        got = ops.topk(wide, k, lengths=lens, return_values=False)[2]
+        assert torch.equal(got.sort().values, want.sort().values), (dtype, n)
+    # topk_slots inherits the rule: slots of the lower indices among ties
+    x = torch.zeros(3, 50, dtype=dtype)
+    x[:, 40] = 1.0
+    smap = torch.arange(4 * 64, dtype=torch.int64).view(4, 64) * 10
+    lens = torch.tensor([50, 20, 45], dtype=torch.int32)
+    rows = torch.tensor([3, 0, 1])
+    s = ops.topk_slots(x, 5, lens, smap, rows)
+    want = [[40, 0, 1, 2, 3], [0, 1, 2, 3, 4], [40, 0, 1, 2, 3]]
+    for b in range(3):
+        assert sorted(s[b].tolist()) == sorted(smap[rows[b], want[b]].tolist()), b
 
 
 def test_return_values_false_and_out_buffers_cpu():

@@ -7,11 +7,16 @@ Semantics (the reference below defines them; the CUDA kernel satisfies them):
   -0.0 and +0.0 equal. So NaNs are selected first, as torch.topk does.
 - Each row gets min(k, L_b) selected entries in slots [0, min(k, L_b)); slots beyond are
   padding: index -1, value -inf.
-- Ties: any choice among equal values is valid (the kernel is not deterministic in which
-  tied index it keeps, nor in the order of an unsorted row). Results always satisfy:
-  indices unique and in [0, L_b), min(selected) >= max(unselected), values == x[b, index].
-- sorted=True: the selected values of each row in descending order (NaN first); the
-  padding stays at the end. sorted=False: any order.
+- Ties: among equal values (in the order above) the lower index wins. So the selected set of
+  a row is a function of that row's values (and L_b, k) alone: batching, chunking, padding N,
+  or slicing a longer tensor cannot change it, on any device. Equivalently: with T the k-th
+  largest value and c_gt entries strictly above T, the selection is those c_gt entries plus
+  the (k - c_gt) lowest indices among the entries equal to T. The CUDA kernels select exactly
+  this set. Results always satisfy: indices unique and in [0, L_b), min(selected) >=
+  max(unselected), values == x[b, index].
+- sorted=True: the selected entries of each row in descending value order (NaN first), equal
+  values by ascending index; the padding stays at the end. sorted=False: the same set in any
+  order.
 - Values are returned bit-exact from x (NaN payloads included).
 """
 from __future__ import annotations
@@ -47,7 +52,8 @@ def topk_ref(x: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *,
         keys = keys.masked_fill(cols[None, :] >= L[:, None], float("-inf"))
     else:
         L = torch.full((B,), N, dtype=torch.int64, device=x.device)
-    _, idx = keys.topk(k, dim=1, largest=True, sorted=True)
+    # Canonical ties: a stable descending sort keeps equal keys in ascending index order.
+    idx = keys.sort(dim=1, descending=True, stable=True).indices[:, :k]
     pad = torch.arange(k, device=x.device)[None, :] >= torch.clamp(L, max=k)[:, None]
     idx = idx.masked_fill(pad, N)  # N: the -inf column appended below
     xp = torch.cat([x, torch.full((B, 1), float("-inf"), dtype=x.dtype, device=x.device)], dim=1)
