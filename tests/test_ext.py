@@ -37,3 +37,77 @@ def test_every_op_runs_on_cuda_tensors():
         has = any(torch._C._dispatch_has_kernel_for_dispatch_key(qual, k)
                   for k in ("CUDA", "CompositeExplicitAutograd", "CompositeImplicitAutograd"))
         assert has, f"{qual} has no kernel that serves CUDA tensors"
+
+
+class _FakeC:
+    """A stand-in _C built for 90a and 100a: launchers record their calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def built_archs(self):
+        return ["90a", "100a"]
+
+    def __getattr__(self, name):
+        return lambda *a, **kw: self.calls.append((name, kw.get("device")))
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """ext() over _FakeC on a mocked cuda:0 whose capability the test sets."""
+    fake = _FakeC()
+    cap = {"cc": (9, 0)}
+    monkeypatch.setattr(_ext, "_C", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: cap["cc"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "mocked GPU")
+
+    def on(cc):
+        cap["cc"] = cc
+        _ext._check_device.cache_clear()
+        _ext._on_device.cache_clear()
+        return _ext.ext(torch.device("cuda", 0))
+
+    yield fake, on
+    _ext._check_device.cache_clear()
+    _ext._on_device.cache_clear()
+
+
+def test_sm100_op_table(fake_device):
+    fake, on = fake_device
+    hopper = on((9, 0))
+    for name in _ext._ON_DEVICE:
+        getattr(hopper, name)()
+    assert sorted(n for n, _ in fake.calls) == sorted(_ext._ON_DEVICE)
+    assert all(d == 0 for _, d in fake.calls)
+    assert all(_ext.has_kernel(n, torch.device("cuda", 0)) for n in _ext._ON_DEVICE)
+
+    fake.calls.clear()
+    blackwell = on((10, 0))
+    wgmma_only = {"fp8_linear", "moe_experts"}
+    for name in _ext._ON_DEVICE:
+        assert _ext.has_kernel(name, torch.device("cuda", 0)) == (name not in wgmma_only), name
+        if name in wgmma_only:
+            with pytest.raises(NotImplementedError, match=f"^deepfuse: no sm_100 kernel for {name} yet"):
+                getattr(blackwell, name)
+        else:
+            getattr(blackwell, name)()
+    assert sorted(n for n, _ in fake.calls) == sorted(set(_ext._ON_DEVICE) - wgmma_only)
+    # host-only helpers (workspace sizes, fits) are arch-independent
+    blackwell.fp8_linear_workspace_bytes((1, 128, 128, False, 0, 0, False, 0))
+
+    with pytest.raises(RuntimeError, match="sm_120"):  # not built at all: the install's error
+        on((12, 0))
+    assert not _ext.has_kernel("topk", torch.device("cuda", 0))
+
+
+def test_arch_table_matches_csrc():
+    # _KERNEL_ARCHS lists exactly the launchers whose C++ refuses devices other than sm_90a.
+    import re
+    from pathlib import Path
+
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    if not csrc.is_dir():
+        pytest.skip("no source tree")
+    guarded = {m for f in csrc.rglob("*.cu") for m in re.findall(r'require_sm90a\("(\w+)"\)', f.read_text())}
+    assert guarded == {n for n, a in _ext._KERNEL_ARCHS.items() if a == ("90a",)}
+    assert set(_ext._KERNEL_ARCHS) <= set(_ext._ON_DEVICE)

@@ -23,9 +23,12 @@ if [ ! -x "$benv/bin/python" ]; then
   "$benv/bin/pip" install -q "scikit-build-core>=0.11" "pybind11>=2.13" "cmake>=3.26" ninja
 fi
 mkdir -p "$out"
-echo "building cp$ver wheel for archs '$archs' (codegen: $codegen)"
+# one build tree per arch set (the default 90a one is the development build's)
+bdir="$root/build/{wheel_tag}"
+[ "$archs" != 90a ] && bdir="$bdir-sm$(echo "$archs" | tr -c '0-9a-z\n' '.')"
+echo "building cp$ver wheel for archs '$archs' in $bdir (codegen: $codegen)"
 DEEPFUSE_CUDA_ARCHS="$archs" DEEPFUSE_CODEGEN_PYTHON="$codegen" \
-  "$benv/bin/pip" wheel --no-build-isolation --no-deps -w "$out" "$root"
+  "$benv/bin/pip" wheel --no-build-isolation --no-deps --config-settings=build-dir="$bdir" -w "$out" "$root"
 # The commit the wheel was built from, for results recorded on the GPU machine.
 c=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 [ -n "$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null)" ] && c="$c-dirty"

@@ -60,6 +60,7 @@ int64_t fp8_linear_workspace_bytes(const LinearProblem& p) {
 
 void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, bool out_bf16, void* workspace,
                 cudaStream_t stream) {
+  require_sm90a("fp8_linear");
   if (p.M <= 0 || p.N <= 0) return;
   if (p.M > (1LL << 30)) throw std::runtime_error("deepfuse: fp8_linear: too many rows");
   const int64_t rows = p.M * std::max(1, p.groups);

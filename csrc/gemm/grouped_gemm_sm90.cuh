@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "common/arch.h"
 #include "common/cuda_utils.h"
 #include "common/fp8_utils.cuh"
 #include "gemm/wgmma_e4m3.cuh"
@@ -333,6 +334,7 @@ __device__ __forceinline__ float swiglu_f(float gt, float up, float limit) {
 
 template <class C, bool MX, bool SWIGLU>
 __global__ void __launch_bounds__(C::kThreads) grouped_gemm_kernel(const GemmArgs args) {
+#if DEEPFUSE_SM90A_DEVICE
   const int task = blockIdx.y;
   int e = args.groups > 0 ? static_cast<int>(blockIdx.z) : 0, r0 = task * C::BT, r1 = min(args.M, r0 + C::BT);
   if (args.tasks != nullptr) {
@@ -386,6 +388,9 @@ __global__ void __launch_bounds__(C::kThreads) grouped_gemm_kernel(const GemmArg
         }
       }
     }
+#else
+  __trap();  // wgmma is sm_90a only; launchers refuse other archs (require_sm90a)
+#endif
 }
 
 // Host: launch with the kernel's dynamic shared memory enabled (once per instantiation and

@@ -271,6 +271,7 @@ int64_t moe_workspace_bytes(const MoeProblem& p) { return carve(p, nullptr).byte
 
 void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* ids, bool ids_is64,
                  const float* weights, void* out, void* workspace, cudaStream_t stream) {
+  require_sm90a("moe_experts");
   if (p.T <= 0) return;
   const int ktot = p.k + (p.has_shared ? 1 : 0), nexp = p.E + (p.has_shared ? 1 : 0);
   if (nexp > kMaxExperts) throw std::runtime_error("deepfuse: moe_experts: too many experts");

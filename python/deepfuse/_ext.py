@@ -41,7 +41,7 @@ def built_archs() -> list[str]:
 def _check_device(index: int) -> None:
     major, minor = torch.cuda.get_device_capability(index)
     have = built_archs()
-    if not any(a.rstrip("af") == f"{major}{minor}" for a in have):
+    if not _covers(have, f"{major}{minor}"):
         name = torch.cuda.get_device_name(index)
         raise RuntimeError(
             f"deepfuse: this install was built for CUDA archs {have}, but cuda:{index} "
@@ -57,14 +57,51 @@ _ON_DEVICE = ("num_sms", "fp8_group_cast", "fp8_block_cast", "topk", "topk_plan"
               "state_store", "indexer_logits_paged")
 
 
+# _C launchers whose kernels exist for some archs only: name -> the archs that have them.
+# Every other launcher has a kernel for every arch in built_archs(). The device code of these
+# is compiled for those archs only (csrc/common/arch.h) and their C++ launchers refuse other
+# devices too (require_sm90a).
+_KERNEL_ARCHS: dict[str, tuple[str, ...]] = {
+    "fp8_linear": ("90a",),  # wgmma (csrc/gemm/grouped_gemm_sm90.cuh)
+    "moe_experts": ("90a",),  # wgmma (the same grouped GEMM)
+}
+
+
+def _cc_name(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}{cc[1]}"
+
+
+def _covers(archs, cc: str) -> bool:
+    """Whether machine code for `archs` (e.g. ['90a']) runs on compute capability `cc` ('90')."""
+    return any(a.rstrip("af") == cc for a in archs)
+
+
+def has_kernel(name: str, device: torch.device) -> bool:
+    """Whether the _C launcher `name` has a kernel for `device`'s arch in this install
+    (False without the extension or for an arch it was not built for)."""
+    if _C is None or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = _cc_name(torch.cuda.get_device_capability(index))
+    return _covers(built_archs(), cc) and _covers(_KERNEL_ARCHS.get(name, built_archs()), cc)
+
+
 class _OnDevice:
     """_C with device=index bound into every launcher: each kernel launches on the device its
-    tensors live on, whatever the current device is (two GPUs in one process)."""
+    tensors live on, whatever the current device is (two GPUs in one process). A launcher
+    without a kernel for the device's arch (_KERNEL_ARCHS) raises on lookup, before any launch."""
 
     def __init__(self, index: int):
         self.index = index
+        self.cc = _cc_name(torch.cuda.get_device_capability(index))
 
     def __getattr__(self, name: str):
+        archs = _KERNEL_ARCHS.get(name)
+        if archs is not None and not _covers(archs, self.cc):
+            raise NotImplementedError(
+                f"deepfuse: no sm_{self.cc} kernel for {name} yet (it has kernels for "
+                f"{', '.join('sm_' + a for a in archs)} only)"
+            )
         fn = getattr(_C, name)
         if name in _ON_DEVICE:
             fn = functools.partial(fn, device=self.index)
