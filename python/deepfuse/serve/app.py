@@ -13,14 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepfuse.engine import SamplingParams
 
@@ -105,14 +108,33 @@ class StopMatcher:
         return out
 
 
-def _sampling(s: dict, *, logprobs: Optional[int], max_tokens: int) -> SamplingParams:
+def _sampling(s: dict, *, logprobs: Optional[int], max_tokens: int, **extra) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=float(s["temperature"]), top_k=s["top_k"],
                               top_p=float(s["top_p"]), min_p=float(s["min_p"]), seed=s["seed"],
-                              stop_token_ids=s["stop_token_ids"], ignore_eos=s["ignore_eos"], logprobs=logprobs)
-    except ValueError as e:
-        field_ = str(e).split("SamplingParams.")[-1].split(" ")[0] if "SamplingParams." in str(e) else None
-        raise bad(field_, str(e)) from None
+                              stop_token_ids=s["stop_token_ids"], ignore_eos=s["ignore_eos"], logprobs=logprobs,
+                              **extra)
+    except (ValueError, TypeError, OverflowError) as e:
+        m = re.search(r"SamplingParams\.(\w+)", str(e))
+        name = m.group(1) if m else None
+        raise bad({"max_tokens": s.get("max_tokens_param", "max_tokens")}.get(name, name), str(e)) from None
+
+
+def _check_ids(st: ServerState, s: dict) -> None:
+    """Token ids against the model's vocabulary; a top_k of the vocabulary or more is off."""
+    V = st.engine_loop.engine.vocab_size
+    out = [t for t in s["stop_token_ids"] if t >= V]
+    if out:
+        raise bad("stop_token_ids", f"'stop_token_ids' has ids outside the vocabulary [0, {V}): {out[:5]}")
+    if s["top_k"] >= V:
+        s["top_k"] = 0
+
+
+def _has_prompt_logprobs() -> bool:
+    """Whether the engine reports prompt logprobs (SamplingParams.prompt_logprobs)."""
+    import dataclasses
+
+    return any(f.name == "prompt_logprobs" for f in dataclasses.fields(SamplingParams))
 
 
 def _sse(data: str) -> str:
@@ -169,6 +191,10 @@ class ChatJob:
     stream: bool
     include_usage: bool
     want_logprobs: bool
+    queue: Optional[asyncio.Queue] = None  # the engine's Items (set when submitted)
+
+    def submit(self, st: "ServerState"):
+        self.queue = st.engine_loop.submit(self.rid, self.ids, self.params, self.constraint)
 
 
 def prepare_chat(st: ServerState, body: dict) -> ChatJob:
@@ -177,9 +203,15 @@ def prepare_chat(st: ServerState, body: dict) -> ChatJob:
     check_chat(body)
     s = common_sampling(body, default_max_tokens=None)
     kind, spec = response_format(body)
+    _check_ids(st, s)
     tool_choice, parallel = body.get("tool_choice"), body.get("parallel_tool_calls")
     for k in _EXTRAS:
         body.pop(k, None)
+    body.pop("max_completion_tokens", None)  # deepseek-recipe reads max_tokens only
+    if s["max_tokens"] is not None:
+        body["max_tokens"] = s["max_tokens"]
+    if any(isinstance(m, dict) and m.get("role") == "developer" for m in body["messages"]):
+        body["messages"] = [dict(m, role="system") if m.get("role") == "developer" else m for m in body["messages"]]
     if kind == "grammar":  # not a recipe response_format: constrained here, the prompt stays plain
         body.pop("response_format", None)
     try:
@@ -205,7 +237,7 @@ def prepare_chat(st: ServerState, body: dict) -> ChatJob:
             msg = json.loads(e.body)["error"]["message"]
         except Exception:  # noqa: BLE001
             msg = str(e)
-        raise bad("max_tokens" if s["max_tokens"] and len(ids) < st.max_model_len else "messages",
+        raise bad(s["max_tokens_param"] if s["max_tokens"] and len(ids) < st.max_model_len else "messages",
                   f"{msg} (prompt: {len(ids)} tokens, context: {st.max_model_len})") from None
     if len(ids) + max_tokens > st.max_model_len:
         raise bad("messages", f"the prompt ({len(ids)} tokens) leaves no room in the context ({st.max_model_len})")
@@ -262,7 +294,7 @@ async def run_chat(st: ServerState, job: ChatJob, request: Request):
 
     gen = dr.ChatCompletionRequest.chunk_generator(job.conv, job.rid, st.model_name)
     proc = dr.StreamProcessor(gen, job.conv.parsing_options, st.tokenizer.recipe)
-    waiter = _Waiter(st.engine_loop.submit(job.rid, job.ids, job.params, job.constraint), request, job.rid, st)
+    waiter = _Waiter(job.queue, request, job.rid, st)
     detok = st.tokenizer.detokenizer()
     held = 0  # tokens whose text is still incomplete (a multi-byte character split across tokens)
     done = False
@@ -275,7 +307,7 @@ async def run_chat(st: ServerState, job: ChatJob, request: Request):
                 return
             if item.error is not None:
                 done = True
-                raise APIError(500, f"generation failed: {item.error}")
+                raise APIError(item.status, f"generation failed: {item.error}")
             toks = _strip_stop_token(item, job.params, st.eos_ids)
             chunk = None
             if toks and job.want_logprobs:  # the parser decodes the ids and reports their logprobs
@@ -315,37 +347,78 @@ async def run_chat(st: ServerState, job: ChatJob, request: Request):
 @dataclass
 class CompletionJob:
     rid: str
+    index: int                 # the choice's index (the prompt's position in the request)
     ids: list
-    params: SamplingParams
+    params: Optional[SamplingParams]  # None: nothing for the engine (echo with max_tokens 0, no logprobs)
     constraint: Any
     stops: list
-    stream: bool
-    include_usage: bool
     logprobs: Optional[int]
     echo: bool
     prompt_text: str
+    queue: Optional[asyncio.Queue] = None
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
 
 
-def prepare_completion(st: ServerState, body: dict) -> CompletionJob:
-    s = common_sampling(body, default_max_tokens=16)
-    prompt = body.get("prompt")
-    tok = st.tokenizer
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt", "'prompt' must not be empty")
-        ids = tok.encode(prompt, add_bos=True)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
-        bad_ids = [t for t in ids if not 0 <= t < st.engine_loop.engine.vocab_size]
-        if bad_ids:
-            raise bad("prompt", f"'prompt' has token ids outside the vocabulary: {bad_ids[:5]}")
-    elif prompt is None:
+@dataclass
+class CompletionBatch:
+    """One /v1/completions request: a job per prompt."""
+    id: str
+    jobs: list
+    stream: bool
+    include_usage: bool
+
+    def submit(self, st: "ServerState"):
+        for j in self.jobs:
+            if j.params is None:
+                st.engine_loop.release()
+            else:
+                j.queue = st.engine_loop.submit(j.rid, j.ids, j.params, j.constraint)
+
+
+def _is_ids(p) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def num_prompts(body: dict) -> int:
+    """How many prompts a completions body holds (its in-flight slots)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and p and not _is_ids(p) and all(isinstance(x, (str, list)) for x in p):
+        return len(p)
+    return 1
+
+
+def _prompts(st: ServerState, prompt) -> list:
+    """'prompt': a string, a list of token ids, or a list of those -> [(ids, text or None)]."""
+    tok, V = st.tokenizer, st.engine_loop.engine.vocab_size
+
+    def one(p, name):
+        if isinstance(p, str):
+            if not p:
+                raise bad("prompt", f"'{name}' must not be empty")
+            return tok.encode(p, add_bos=True), p
+        if _is_ids(p):
+            out = [t for t in p if not 0 <= t < V]
+            if out:
+                raise bad("prompt", f"'{name}' has token ids outside the vocabulary [0, {V}): {out[:5]}")
+            return list(p), None
+        raise bad("prompt", f"'{name}' must be a non-empty string or a non-empty list of token ids")
+
+    if prompt is None:
         raise bad("prompt", "'prompt' is required")
-    else:
-        raise bad("prompt", "'prompt' must be a string, a list of token ids, or a list of one of those "
-                            "(one prompt per request)")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [one(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise bad("prompt", "'prompt' must be a string, a list of token ids, or a list of those")
+
+
+def prepare_completion(st: ServerState, body: dict) -> CompletionBatch:
+    s = common_sampling(body, default_max_tokens=16, min_max_tokens=0)
+    _check_ids(st, s)
+    prompts = _prompts(st, body.get("prompt"))
     if body.get("suffix") is not None:
         raise bad("suffix", "'suffix' is not supported")
     if body.get("best_of") not in (None, 1):
@@ -356,77 +429,176 @@ def prepare_completion(st: ServerState, body: dict) -> CompletionJob:
     lp = body.get("logprobs")
     if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 20):
         raise bad("logprobs", "'logprobs' must be an integer in [0, 20]")
+    max_tokens = s["max_tokens"]
+    if max_tokens == 0 and not echo:
+        raise bad(s["max_tokens_param"], f"'{s['max_tokens_param']}' must be >= 1 (0 only with 'echo': the prompt "
+                                         "and its logprobs, nothing generated)")
+    if echo and lp is not None and not _has_prompt_logprobs():
+        raise bad("echo", "'echo' with 'logprobs' needs prompt logprobs, which this engine does not report")
     s["temperature"] = 1.0 if s["temperature"] is None else s["temperature"]
     s["top_p"] = 1.0 if s["top_p"] is None else s["top_p"]
-    max_tokens = s["max_tokens"]
-    if len(ids) + max_tokens > st.max_model_len:
-        param = "prompt" if len(ids) >= st.max_model_len else "max_tokens"
-        raise bad(param, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
-                         f"({st.max_model_len})")
-    params = _sampling(s, logprobs=lp, max_tokens=max_tokens)
+    for i, (ids, _) in enumerate(prompts):
+        if len(ids) + max_tokens > st.max_model_len:
+            param = "prompt" if len(ids) >= st.max_model_len else s["max_tokens_param"]
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise bad(param, f"the {where} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                             f"length ({st.max_model_len})")
     kind, spec = response_format(body)
-    try:
-        constraint = constraint_for(st.grammars, kind, spec) if kind else None
-    except GrammarError as e:
-        raise bad(e.param, str(e)) from None
-    prompt_text = prompt if isinstance(prompt, str) else tok.decode(ids)
-    return CompletionJob(f"cmpl-{uuid.uuid4().hex}", ids, params, constraint, s["stop"], s["stream"],
-                         s["include_usage"], lp, echo, prompt_text)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    jobs = []
+    for i, (ids, text) in enumerate(prompts):
+        params = constraint = None
+        if max_tokens > 0 or (echo and lp is not None):
+            extra = {"prompt_logprobs": lp} if echo and lp is not None else {}
+            params = _sampling(s, logprobs=lp, max_tokens=max_tokens, **extra)
+        if kind and max_tokens > 0:
+            try:
+                constraint = constraint_for(st.grammars, kind, spec)
+            except GrammarError as e:
+                raise bad(e.param, str(e)) from None
+        jobs.append(CompletionJob(f"{cid}-{i}", i, ids, params, constraint, s["stop"], lp, echo,
+                                  text if text is not None else st.tokenizer.decode(ids)))
+    return CompletionBatch(cid, jobs, s["stream"], s["include_usage"])
+
+
+def _lp_piece(tok, ids: list, lps: list, tops: Optional[list], n: Optional[int], offset: int,
+              actual_in_top: bool = False) -> tuple[dict, int]:
+    """OpenAI completions logprobs for tokens ids (lps: their logprobs, None where there is
+    none; tops: their {id: logprob} dicts) -> (the piece, the text offset after it).
+    actual_in_top: each position's own token joins its top dict (vLLM's prompt logprobs)."""
+    texts = [tok.token_text(t) for t in ids]
+    top = None
+    if n:
+        top = []
+        for t, lp, d in zip(ids, lps, tops or [None] * len(ids)):
+            if lp is None:
+                top.append(None)
+                continue
+            e = {tok.token_text(int(k)): float(v) for k, v in (d or {}).items()}
+            if actual_in_top:
+                e.setdefault(tok.token_text(t), float(lp))
+            top.append(e)
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": texts, "token_logprobs": [None if x is None else float(x) for x in lps],
+            "top_logprobs": top, "text_offset": offsets}, offset
+
+
+def _join_lp(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
+    if a is None or b is None:
+        return a or b
+    return {k: (a[k] or []) + (b[k] or []) if a[k] is not None or b[k] is not None else None for k in a}
 
 
 async def run_completion(st: ServerState, job: CompletionJob, request: Request):
     """Yields (text delta, logprobs piece or None, finish_reason or None, n_generated)."""
-    waiter = _Waiter(st.engine_loop.submit(job.rid, job.ids, job.params, job.constraint), request, job.rid, st)
+    if job.params is None:
+        yield job.prompt_text, None, "length", 0
+        return
+    waiter = _Waiter(job.queue, request, job.rid, st)
     detok = st.tokenizer.detokenizer()
     stopper = StopMatcher(job.stops)
     tok = st.tokenizer
     n_gen = 0
     done = False
-    offset = len(job.prompt_text) if job.echo else 0
+    offset = 0
+    need_prompt = job.prompt_logprobs  # the echoed prompt goes out with its logprobs (first output)
     try:
-        if job.echo:
+        if job.echo and not need_prompt:
             yield job.prompt_text, None, None, 0
+            offset = len(job.prompt_text)
         while True:
             item = await waiter.next()
             if item is None:
                 return
             if item.error is not None:
                 done = True
-                raise APIError(500, f"generation failed: {item.error}")
+                raise APIError(item.status, f"generation failed: {item.error}")
+            head, head_lp = "", None
+            if need_prompt:
+                if item.prompt_logprobs is None or len(item.prompt_logprobs) != len(job.ids):
+                    done = True
+                    st.engine_loop.abort(job.rid)
+                    raise APIError(500, "the engine did not report the prompt's logprobs")
+                head_lp, offset = _lp_piece(tok, job.ids, list(item.prompt_logprobs), item.prompt_top_logprobs,
+                                            job.logprobs, 0, actual_in_top=True)
+                head, need_prompt = job.prompt_text, False
             n_gen += len(item.token_ids)
             toks = _strip_stop_token(item, job.params, st.eos_ids)
             text = "".join(detok.step(t) for t in toks)
             out, hit = stopper.feed(text)
             lp = None
             if job.logprobs is not None and item.logprobs is not None and toks:
-                tops = item.top_logprobs or [{}] * len(toks)
-                lp = {"tokens": [tok.token_text(t) for t in toks],
-                      "token_logprobs": [float(x) for x in item.logprobs[:len(toks)]],
-                      "top_logprobs": [{tok.token_text(int(k)): float(v) for k, v in d.items()}
-                                       for d in tops[:len(toks)]] if job.logprobs > 0 else None,
-                      "text_offset": []}
-                o = offset
-                for t in lp["tokens"]:
-                    lp["text_offset"].append(o)
-                    o += len(t)
-                offset = o
+                lp, offset = _lp_piece(tok, toks, list(item.logprobs[:len(toks)]),
+                                       item.top_logprobs[:len(toks)] if item.top_logprobs else None,
+                                       job.logprobs, offset)
+            lp = _join_lp(head_lp, lp)
             if hit:
                 st.engine_loop.abort(job.rid)
                 done = True
-                yield out, lp, "stop", n_gen
+                yield head + out, lp, "stop", n_gen
                 return
             if item.finished:
                 done = True
-                yield out + stopper.flush(), lp, "length" if item.finish_reason == "length" else "stop", n_gen
+                yield head + out + stopper.flush(), lp, "length" if item.finish_reason == "length" else "stop", n_gen
                 return
-            if out or lp:
-                yield out, lp, None, n_gen
+            if head or out or lp:
+                yield head + out, lp, None, n_gen
     finally:
         if not done:
             st.engine_loop.abort(job.rid)
 
 
+async def _merged(st: ServerState, jobs: list, request: Request):
+    """run_completion of every job at once -> (job, its next piece) as they come; the first
+    error ends them all (and is raised)."""
+    if len(jobs) == 1:
+        async for r in run_completion(st, jobs[0], request):
+            yield jobs[0], r
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(j):
+        try:
+            async for r in run_completion(st, j, request):
+                q.put_nowait((j, r))
+            q.put_nowait((j, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 (handed to the consumer)
+            q.put_nowait((j, e))
+
+    tasks = [asyncio.create_task(pump(j)) for j in jobs]
+    try:
+        left = len(jobs)
+        while left:
+            j, r = await q.get()
+            if r is None:
+                left -= 1
+            elif isinstance(r, Exception):
+                raise r
+            else:
+                yield j, r
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 # ---------------------------------------------------------------------------------- the app
+def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    if e.status_code == 404:
+        msg = f"no route {request.method} {request.url.path}"
+    elif e.status_code == 405:
+        msg = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        msg = str(e.detail)
+    err = APIError(e.status_code, msg, code={404: "not_found", 405: "method_not_allowed"}.get(e.status_code))
+    return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+
 def create_app(st: ServerState) -> FastAPI:
     app = FastAPI(title="deepfuse", version="0.1")
     app.state.server = st
@@ -436,21 +608,42 @@ def create_app(st: ServerState) -> FastAPI:
         st.metrics.reject(e.status)
         return _err(e)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        return _http_error(request, e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        return _err(bad(None, f"invalid request: {e.errors()}"))
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         log.exception("internal error")
         return _err(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
-    async def admit(request: Request, prepare):
+    async def admit(request: Request, prepare, count=lambda body: 1):
+        """Parse, take the request's in-flight slots (before any await, so a burst cannot
+        overshoot max_pending), prepare it in the thread pool, submit it to the engine."""
         body = parse_body(await request.body())
         check_model(body, st.served)
-        if not st.engine_loop.alive:
+        loop = st.engine_loop
+        if not loop.alive:
             raise APIError(503, "the engine is not running", type="service_unavailable")
-        if st.engine_loop.overloaded():
-            raise APIError(503, f"server overloaded: {st.engine_loop.num_pending} requests in flight "
-                                f"(limit {st.engine_loop.max_pending}); retry later",
+        n = count(body)
+        if n > loop.max_pending:
+            raise bad("prompt", f"{n} prompts in one request exceed the server's limit of {loop.max_pending} "
+                                "requests in flight")
+        if not loop.reserve(n):
+            raise APIError(503, f"server overloaded: {loop.num_pending} requests in flight "
+                                f"(limit {loop.max_pending}); retry later",
                            type="service_unavailable", code="overloaded")
-        return await run_in_threadpool(prepare, st, body)
+        try:
+            job = await run_in_threadpool(prepare, st, body)
+        except BaseException:
+            loop.release(n)
+            raise
+        job.submit(st)
+        return job
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -483,51 +676,53 @@ def create_app(st: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        job = await admit(request, prepare_completion)
+        batch = await admit(request, prepare_completion, num_prompts)
         created = int(time.time())
 
-        def choice(text, lp, reason):
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+        def chunk(choices, usage=None):
+            return {"id": batch.id, "object": "text_completion", "created": created, "model": st.model_name,
+                    "choices": choices, "usage": usage}
 
-        def usage(n):
-            return {"prompt_tokens": len(job.ids), "completion_tokens": n, "total_tokens": len(job.ids) + n}
+        def choice(i, text, lp, reason):
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
 
-        if job.stream:
+        def usage(n_gen: dict):
+            p = sum(len(j.ids) for j in batch.jobs)
+            n = sum(n_gen.values())
+            return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+        n_gen = {j.index: 0 for j in batch.jobs}
+        if batch.stream:
             async def events():
-                n = 0
                 try:
-                    async for text, lp, reason, n in run_completion(st, job, request):
-                        d = {"id": job.rid, "object": "text_completion", "created": created, "model": st.model_name,
-                             "choices": [choice(text, lp, reason)], "usage": None}
-                        yield _sse(json.dumps(d, ensure_ascii=False))
-                    if job.include_usage:
-                        d = {"id": job.rid, "object": "text_completion", "created": created, "model": st.model_name,
-                             "choices": [], "usage": usage(n)}
-                        yield _sse(json.dumps(d))
+                    async for j, (text, lp, reason, n) in _merged(st, batch.jobs, request):
+                        n_gen[j.index] = n
+                        yield _sse(json.dumps(chunk([choice(j.index, text, lp, reason)]), ensure_ascii=False))
+                    if batch.include_usage:
+                        yield _sse(json.dumps(chunk([], usage(n_gen))))
                 except APIError as e:
                     yield _sse(json.dumps(e.body()))
                 yield _sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts, lps, reason, n = [], [], None, 0
-        async for text, lp, r, n in run_completion(st, job, request):
-            texts.append(text)
-            if lp:
-                lps.append(lp)
-            reason = r or reason
-        if reason is None:
+        texts = {j.index: [] for j in batch.jobs}
+        lps: dict = {j.index: None for j in batch.jobs}
+        reasons: dict = {j.index: None for j in batch.jobs}
+        async for j, (text, lp, r, n) in _merged(st, batch.jobs, request):
+            texts[j.index].append(text)
+            lps[j.index] = _join_lp(lps[j.index], lp)
+            reasons[j.index] = r or reasons[j.index]
+            n_gen[j.index] = n
+        if any(r is None for r in reasons.values()):
             return Response(status_code=499)
-        lp_all = None
-        if job.logprobs is not None:
-            lp_all = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if job.logprobs > 0 else None,
+        out = []
+        for j in batch.jobs:
+            lp = lps[j.index]
+            if j.logprobs is not None and lp is None:
+                lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if j.logprobs > 0 else None,
                       "text_offset": []}
-            for p in lps:
-                for k in ("tokens", "token_logprobs", "text_offset"):
-                    lp_all[k] += p[k]
-                if job.logprobs > 0:
-                    lp_all["top_logprobs"] += p["top_logprobs"]
-        return JSONResponse({"id": job.rid, "object": "text_completion", "created": created, "model": st.model_name,
-                             "choices": [choice("".join(texts), lp_all, reason)], "usage": usage(n)})
+            out.append(choice(j.index, "".join(texts[j.index]), lp, reasons[j.index]))
+        return JSONResponse(chunk(out, usage(n_gen)))
 
     @app.get("/v1/models")
     async def models():

@@ -51,30 +51,54 @@ class ThinkGate:
         return self.open and self.inner.is_terminated()
 
 
+class NoControlChars:
+    """Forbids tokens whose text holds a raw control character (U+0000-U+001F) on top of a
+    compact-JSON matcher. xgrammar 0.2.9 lets strings with minLength / maxLength take raw
+    control characters, which no JSON parser accepts; compact JSON (no free whitespace)
+    has no other place for them, so the mask is exact, not just safe."""
+
+    def __init__(self, inner, keep):
+        self.inner, self.keep = inner, keep  # keep: int32 [ceil(V / 32)], bit 0 for control tokens
+
+    def fill_next_token_bitmask(self, bitmask, row):
+        self.inner.fill_next_token_bitmask(bitmask, row)
+        n = min(bitmask.shape[1], self.keep.shape[0])
+        bitmask[row, :n] &= self.keep[:n].to(bitmask.device)
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.inner.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+
 class SafeConstraint:
-    """Wraps a constraint so that an error inside it ends the request ("stop") instead of
-    failing the engine step that all running requests share."""
+    """Wraps a constraint so that an error inside it ends the request instead of failing the
+    engine step that all running requests share (the engine loop then reports the request
+    as failed: `failed`, `error`)."""
 
     def __init__(self, inner):
-        self.inner, self.failed = inner, False
+        self.inner, self.failed, self.error = inner, False, None
+
+    def _fail(self, e: Exception):
+        log.error("constraint failed; ending its request: %s: %s", type(e).__name__, e)
+        self.failed, self.error = True, f"{type(e).__name__}: {e}"
 
     def fill_next_token_bitmask(self, bitmask, row):
         if self.failed:
             return
         try:
             self.inner.fill_next_token_bitmask(bitmask, row)
-        except Exception:  # noqa: BLE001
-            log.exception("constraint failed; ending its request")
-            self.failed = True
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
 
     def accept_token(self, token_id: int) -> bool:
         if self.failed:
             return False
         try:
             return bool(self.inner.accept_token(token_id))
-        except Exception:  # noqa: BLE001
-            log.exception("constraint failed; ending its request")
-            self.failed = True
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
             return False
 
     def is_terminated(self) -> bool:
@@ -82,8 +106,8 @@ class SafeConstraint:
             return True
         try:
             return bool(self.inner.is_terminated())
-        except Exception:  # noqa: BLE001
-            self.failed = True
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
             return True
 
 
@@ -94,6 +118,7 @@ class Grammars:
         self.tok = tokenizer
         self._max_threads = max_threads
         self._compiler = None
+        self._no_control = None
         self._lock = threading.Lock()
         self.think_end_id = tokenizer.hf.token_to_id(THINK_END)
 
@@ -108,6 +133,26 @@ class Grammars:
                                          stop_token_ids=[self.tok.eos_id], add_prefix_space=False)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
             return self._compiler
+
+    def no_control_mask(self):
+        """int32 [ceil(V / 32)] token bitmask (xgrammar's layout: token i is bit i % 32 of
+        word i // 32) with the bits of tokens whose bytes hold 0x00-0x1F cleared."""
+        with self._lock:
+            if self._no_control is None:
+                import numpy as np
+                import torch
+
+                inv = {c: b for b, c in _bytes_to_unicode().items()}
+                special = self._special_ids()
+                V = self.tok.vocab_size
+                keep = np.ones(-(-V // 32) * 32, dtype=bool)
+                for i in range(V):
+                    t = "" if i in special else (self.tok.hf.id_to_token(i) or "")
+                    if any(inv.get(ch, 0x20) < 0x20 for ch in t):
+                        keep[i] = False
+                words = np.packbits(keep, bitorder="little").view("<i4")
+                self._no_control = torch.from_numpy(words.copy())
+            return self._no_control
 
     def _special_ids(self) -> set:
         """Special tokens grammars never produce as text; the markers that the V4 output
@@ -155,11 +200,14 @@ class Grammars:
                                "tools" if kind.startswith("tool") else "response_format") from None
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
-    def matcher(self, compiled, *, gate_thinking: bool = False):
-        """A fresh per-request constraint for Engine.add_request."""
+    def matcher(self, compiled, *, gate_thinking: bool = False, json_text: bool = False):
+        """A fresh per-request constraint for Engine.add_request (json_text: compact JSON,
+        raw control characters masked)."""
         import xgrammar as xgr
 
         m = xgr.GrammarMatcher(compiled)
+        if json_text:
+            m = NoControlChars(m, self.no_control_mask())
         if gate_thinking and self.think_end_id is not None:
             m = ThinkGate(m, self.think_end_id)
         return SafeConstraint(m)
@@ -181,4 +229,19 @@ def constraint_for(grammars: Optional[Grammars], kind: Optional[str], spec, *, t
     if grammars is None or kind is None:
         return None
     compiled = grammars.compile(kind, spec, thinking=thinking, **kw)
-    return grammars.matcher(compiled, gate_thinking=thinking and not kind.startswith("tool"))
+    return grammars.matcher(compiled, gate_thinking=thinking and not kind.startswith("tool"),
+                            json_text=kind in ("json_schema", "json_object"))
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's byte-level alphabet: byte -> the character that spells it in the vocabulary."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))

@@ -27,10 +27,43 @@ def bad(param: Optional[str], message: str, status: int = 400, code: Optional[st
     return APIError(status, message, param, code=code)
 
 
+MAX_JSON_DEPTH = 64   # deeper bodies are refused before parsing (json's recursion would end in a 500)
+INT32_MAX = (1 << 31) - 1
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _too_deep(raw: bytes) -> bool:
+    """Whether raw nests arrays / objects deeper than MAX_JSON_DEPTH (brackets inside strings
+    are skipped)."""
+    depth, in_str, esc = 0, False, False
+    for b in raw:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:
+                esc = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return True
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return False
+
+
 def parse_body(raw: bytes) -> dict:
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _too_deep(raw):
+        raise bad(None, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise bad(None, f"malformed JSON in the request body: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object", code="invalid_json")
@@ -42,7 +75,13 @@ def _is_int(v) -> bool:
 
 
 def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return abs(v) < 1 << 53  # a float without rounding (huge ints: OverflowError in float())
+    return isinstance(v, float) and math.isfinite(v)
+
+
+def _int_in(lo: int, hi: int):
+    return lambda v: _is_int(v) and lo <= v <= hi
 
 
 def _get(body, name, check, what, default=None):
@@ -66,23 +105,28 @@ def check_model(body: dict, served: set) -> str:
     return m
 
 
-def common_sampling(body: dict, *, default_max_tokens: Optional[int]) -> dict:
-    """The sampling fields both endpoints share -> a dict of checked values (None: not given)."""
+def common_sampling(body: dict, *, default_max_tokens: Optional[int], min_max_tokens: int = 1) -> dict:
+    """The sampling fields both endpoints share -> a dict of checked values (None: not given).
+    max_completion_tokens wins over max_tokens (OpenAI's newer name)."""
     out: dict[str, Any] = {}
     n = _get(body, "n", _is_int, "must be an integer", 1)
     if n != 1:
         raise bad("n", f"only n = 1 is supported, got {n}")
     for name in ("max_tokens", "max_completion_tokens"):
-        v = _get(body, name, lambda x: _is_int(x) and x >= 1, "must be an integer >= 1")
+        v = _get(body, name, _int_in(min_max_tokens, INT32_MAX),
+                 f"must be an integer in [{min_max_tokens}, {INT32_MAX}]")
         if v is not None:
             out["max_tokens"] = v
+            out["max_tokens_param"] = name
     out.setdefault("max_tokens", default_max_tokens)
+    out.setdefault("max_tokens_param", "max_tokens")
     out["temperature"] = _get(body, "temperature", lambda x: _is_num(x) and 0 <= x <= 2, "must be a number in [0, 2]")
     out["top_p"] = _get(body, "top_p", lambda x: _is_num(x) and 0 < x <= 1, "must be a number in (0, 1]")
-    top_k = _get(body, "top_k", lambda x: _is_int(x) and x >= -1, "must be an integer >= -1 (-1 or 0: off)", 0)
+    top_k = _get(body, "top_k", _int_in(-1, INT32_MAX), f"must be an integer in [-1, {INT32_MAX}] (-1 or 0: off)",
+                 0)
     out["top_k"] = max(top_k, 0)
     out["min_p"] = _get(body, "min_p", lambda x: _is_num(x) and 0 <= x <= 1, "must be a number in [0, 1]", 0.0)
-    seed = _get(body, "seed", _is_int, "must be an integer")
+    seed = _get(body, "seed", _int_in(-(1 << 63), (1 << 63) - 1), "must be a 64-bit signed integer")
     out["seed"] = None if seed is None else seed % (1 << 63)
     for name in ("presence_penalty", "frequency_penalty"):
         _get(body, name, lambda x: _is_num(x) and -2 <= x <= 2, "must be a number in [-2, 2]")
@@ -101,8 +145,9 @@ def common_sampling(body: dict, *, default_max_tokens: Optional[int]) -> dict:
         raise bad("stop", "'stop' takes at most 16 non-empty strings")
     out["stop"] = stops
     out["stop_token_ids"] = tuple(_get(body, "stop_token_ids",
-                                       lambda x: isinstance(x, list) and all(_is_int(t) and t >= 0 for t in x),
-                                       "must be a list of token ids", []))
+                                       lambda x: isinstance(x, list) and len(x) <= 256 and
+                                       all(_int_in(0, INT32_MAX)(t) for t in x),
+                                       "must be a list of at most 256 token ids", []))
     out["ignore_eos"] = _get(body, "ignore_eos", lambda x: isinstance(x, bool), "must be a boolean", False)
     out["stream"] = _get(body, "stream", lambda x: isinstance(x, bool), "must be a boolean", False)
     so = _get(body, "stream_options", lambda x: isinstance(x, dict), "must be an object", {})
@@ -151,6 +196,10 @@ def response_format(body: dict) -> tuple[Optional[str], Any]:
                                       f"regex, grammar; got {json.dumps(t)[:80]}")
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
+
+
 def check_chat(body: dict) -> None:
     msgs = body.get("messages")
     if msgs is None:
@@ -160,8 +209,9 @@ def check_chat(body: dict) -> None:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", f"'messages[{i}]' must be an object")
-        if not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}].role", f"'messages[{i}].role' must be a string")
+        if m.get("role") not in CHAT_ROLES:
+            raise bad(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}, got "
+                                             f"{json.dumps(m.get('role'))[:80]}")
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
             raise bad(f"messages[{i}].content", f"'messages[{i}].content' must be a string or a list of parts")
@@ -178,16 +228,36 @@ def check_chat(body: dict) -> None:
         if not isinstance(t, dict) or not isinstance(t.get("function"), dict) or \
                 not isinstance(t["function"].get("name"), str):
             raise bad(f"tools[{i}]", f"'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ...}}}}")
-    _get(body, "tool_choice", lambda x: isinstance(x, (str, dict)), "must be a string or an object")
+    tc = _get(body, "tool_choice", lambda x: isinstance(x, (str, dict)), "must be a string or an object")
+    names = [t["function"]["name"] for t in tools or []]
+    if isinstance(tc, str):
+        if tc not in ("none", "auto", "required"):
+            raise bad("tool_choice", f"'tool_choice' must be none, auto, required or a named function, got "
+                                     f"{json.dumps(tc)[:80]}")
+        if tc == "required" and not names:
+            raise bad("tool_choice", "'tool_choice' is 'required' but the request has no 'tools'")
+    elif isinstance(tc, dict):
+        fn = tc.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise bad("tool_choice", "'tool_choice' must be {'type': 'function', 'function': {'name': ...}}")
+        if name not in names:
+            raise bad("tool_choice", f"'tool_choice' names the function {json.dumps(name)[:80]}, which is not in "
+                                     f"'tools' ({', '.join(names) or 'none'})")
     th = _get(body, "thinking", lambda x: isinstance(x, dict), "must be an object")
     if th is not None and th.get("type") not in ("enabled", "disabled", "adaptive"):
         raise bad("thinking.type", "'thinking.type' must be one of enabled, disabled, adaptive")
-    _get(body, "reasoning_effort", lambda x: isinstance(x, str), "must be a string")
+    _get(body, "reasoning_effort", lambda x: x in REASONING_EFFORTS,
+         f"must be one of {', '.join(REASONING_EFFORTS)}")
 
 
 def conversion_param(message: str) -> Optional[str]:
     """Best guess of the field a deepseek-recipe conversion error is about."""
     m = message.lower()
+    if "schema" in m:
+        return "response_format"
+    if "tool_call" in m or "tool_choice" in m:
+        return "tool_choice"
     for key in ("max_completion_tokens", "max_tokens", "top_logprobs", "logprobs", "temperature", "top_p",
                 "tool_choice", "tools", "response_format", "reasoning_effort", "thinking", "stop", "messages",
                 "model", "seed", "stream_options"):
