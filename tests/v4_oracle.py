@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,22 @@ def write_checkpoint(path: Path, tensors: dict, config: dict, shards: int = 1) -
         weight_map.update(dict.fromkeys(part, fname))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
+
+
+def _canonical_topk(self, k, dim=-1, largest=True, sorted=True):
+    v, i = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((v.narrow(dim, 0, k), i.narrow(dim, 0, k)))
+
+
+@contextmanager
+def canonical_ties():
+    """Inside: transformers' V4 indexer picks, among equal scores, the lower entry index (as
+    deepfuse.ops.topk does). Its Tensor.topk choice among ties depends on the tensor's shape:
+    with few index heads many scores are exactly 0 (every head's ReLU is 0) and the oracle's
+    full forward and generate() then select different entries."""
+    old = torch.Tensor.topk
+    torch.Tensor.topk = _canonical_topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = old
