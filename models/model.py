@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import mhc
+from .references import scoped
 from .block import Block
 from .config import V4Config
 from .linear import Linear, add_slot
@@ -46,6 +47,7 @@ class V4Model(nn.Module):
         self.ropes = {"main": RopeTable(cfg.rope_main, cfg.rope_head_dim),
                       "compress": RopeTable(cfg.rope_compress, cfg.rope_head_dim)}
         self.dtype = torch.float32  # activation dtype, set by the loader
+        self.allow_reference = None  # ops run as torch references on CUDA knowingly (models/references.py)
 
     @property
     def device(self) -> torch.device:
@@ -59,6 +61,7 @@ class V4Model(nn.Module):
         if input_ids.device != self.device:
             raise ValueError(f"deepfuse: input_ids is on {input_ids.device}, the model on {self.device}")
 
+    @scoped(full=True)
     def forward(self, input_ids: torch.Tensor, *, return_streams: bool = False):
         """Full forward of sequences from position 0: input_ids [B, T] -> logits [B, T, vocab]
         (fp32). return_streams=True also returns the final mHC streams [B, T, hc, d] (the MTP
@@ -72,6 +75,7 @@ class V4Model(nn.Module):
         logits = self.head(self.norm(mhc.head(self, x, self.cfg))).float()
         return (logits, x) if return_streams else logits
 
+    @scoped(full=False, cache_arg=1)
     def forward_step(self, ctx, cache, *, return_streams: bool = False):
         """One engine step over the flat batch of `ctx` (deepfuse.engine.context.StepContext)
         with the engine's cache (CacheManager): -> logits [R, vocab] (fp32) of the rows
@@ -85,6 +89,7 @@ class V4Model(nn.Module):
         logits = self.head(self.norm(mhc.head(self, h, self.cfg))).float()
         return (logits, x[0]) if return_streams else logits
 
+    @scoped(full=False, cache_arg=1)
     def mtp_forward_step(self, ctx, cache, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0):
         """One flat engine step of MTP layer `layer` (its cache is cache.layer(num layers +
         layer)): streams [N, hc, d] at the ctx's positions (the main model's final streams,
@@ -98,6 +103,7 @@ class V4Model(nn.Module):
         h = x[0, ctx.logits_indices]
         return self.head(mtp.norm(mhc.head(mtp, h, self.cfg))).float(), x[0]
 
+    @scoped(full=True)
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0):
         """MTP layer `layer` over whole sequences: streams [B, T, hc, d] at positions 0.. and
         the ids of the tokens that follow them [B, T] -> (logits [B, T, vocab] fp32 for the

@@ -381,8 +381,9 @@ def test_gpu_cases(case):
 
 @pytest.mark.gpu
 def test_gpu_outside_the_kernel_runs_the_reference():
-    """H not 64 / 128, a non-bf16 q or fp32 pages: the reference runs on the GPU (the tiny
-    model's 4 heads, fp32 test models) and matches the CPU path."""
+    """H not 64 / 128, a non-bf16 q or fp32 pages: the call raises unless the reference is
+    allowed (ops.allow_reference: the tiny model's 4 heads, fp32 test models); allowed, the
+    reference runs on the GPU and matches the CPU path."""
     g = torch.Generator().manual_seed(9)
     kv, slots, _ = make_cache(2, 16, "fp8", 20, g, "cuda")
     idx = pick(slots, 6, g).view(2, 3).int().cuda()
@@ -391,7 +392,10 @@ def test_gpu_outside_the_kernel_runs_the_reference():
         H = q.shape[1]
         sink = torch.randn(H)
         src = src.cuda()
-        out, lse = ops.sparse_attention_paged(q.cuda(), src, 16, idx, sink.cuda(), 0.1)
+        with pytest.raises(ops.NoKernelError, match="sparse_attention_paged: (q|kv)"):
+            ops.sparse_attention_paged(q.cuda(), src, 16, idx, sink.cuda(), 0.1)
+        with ops.allow_reference("sparse_attention_paged"):
+            out, lse = ops.sparse_attention_paged(q.cuda(), src, 16, idx, sink.cuda(), 0.1)
         ref, rlse = ops.sparse_attention_paged(q, src.cpu(), 16, idx.cpu(), sink, 0.1)
         torch.testing.assert_close(out.cpu(), ref, rtol=2e-2, atol=2e-3)
         torch.testing.assert_close(lse.cpu(), rlse, rtol=1e-4, atol=1e-4)

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from deepfuse.ops import reference_calls
+
 from .cache import CacheManager, default_total_tokens
 from .graph_runner import GraphRunner
 from .model_runner import ModelRunner
@@ -410,6 +412,7 @@ class Engine:
             "pages_in_use": c.pages_in_use(),
             "cache_bytes": c.nbytes(),
             "kv_dtype": c.kv_dtype,
+            "reference_calls": reference_calls(),  # torch references run on CUDA, per op (process-wide)
             **({"spec": self.spec.stats.as_dict()} if self.spec is not None else {}),
             **({"prefix_cache": self.prefix.stats()} if self.prefix is not None else {}),
         }

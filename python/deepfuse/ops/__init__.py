@@ -1,5 +1,18 @@
 """Public ops. Each is a torch.library custom op (namespace `deepfuse`) with a CUDA kernel,
-a CPU path (the pure-torch reference that defines its semantics) and a fake for tracing."""
+a CPU path (the pure-torch reference that defines its semantics) and a fake for tracing.
+
+On CUDA no op runs its torch reference silently: a call its kernel cannot serve raises
+NoKernelError naming the argument, unless the reference is allowed (allow_reference(), or a
+model's own choice); allowed calls warn once per op and are counted (reference_calls()).
+See ops/_fallback.py. swiglu has no kernel by design (elementwise torch on every device).
+"""
+from deepfuse.ops._fallback import (
+    NoKernelError,
+    ReferenceWarning,
+    allow_reference,
+    reference_calls,
+    reset_reference_calls,
+)
 from deepfuse.ops.cast import (
     fp8_block_cast,
     fp8_block_dequant,
@@ -32,6 +45,11 @@ from deepfuse.ops.norm import norm_rope, norm_rope_store, rms_norm
 from deepfuse.ops.rope import rope
 
 __all__ = [
+    "allow_reference",
+    "reference_calls",
+    "reset_reference_calls",
+    "NoKernelError",
+    "ReferenceWarning",
     "fp8_per_token_cast",
     "fp8_per_token_dequant",
     "mxfp8_cast",

@@ -7,6 +7,8 @@ Without a schema it is inferred from the type annotations (mutated args: `mutate
 Registering through torch.library.Library directly costs a few microseconds less per call
 than custom_op (which wraps every call in Python).
 Mutated arguments are written `Tensor(a!) name` in the schema.
+A CUDA registration that cannot serve a call runs the reference only through the policy of
+ops._fallback (need_reference): no silent torch reference on CUDA.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class Op:
         self.name = name
         self.qualname = f"deepfuse::{name}"
         self.reference = cpu
+        self.kernels: dict[str, Callable] = {}  # device -> its registered kernel function
         self._packet = None
 
     def __call__(self, *args, **kwargs):
@@ -40,6 +43,7 @@ class Op:
 
         def deco(fn: Callable) -> Callable:
             LIB.impl(self.name, fn, key)
+            self.kernels[device] = fn
             return fn
 
         return deco

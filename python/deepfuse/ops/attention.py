@@ -20,6 +20,7 @@ import torch
 from deepfuse import _ext
 from deepfuse import kv_format as _KVF
 from deepfuse.ops._checks import check_choice, check_int, check_tensor
+from deepfuse.ops._fallback import need_reference
 from deepfuse.ops._registry import op
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -49,10 +50,18 @@ def sparse_attention_ref(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     return out
 
 
-# no kernel yet: the op's body (the reference) also serves CUDA tensors.
 @op("sparse_attention")
 def _sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,
                       scale: float) -> torch.Tensor:
+    return sparse_attention_ref(q, kv, indices, sink, scale)
+
+
+# No kernel: the full-sequence form (dense kv rows) is the model's oracle path; the engine's
+# step runs sparse_attention_paged. On CUDA it runs the reference only where allowed (ops._fallback).
+@_sparse_attention.register_kernel("cuda")
+def _(q, kv, indices, sink, scale):
+    need_reference("sparse_attention", "kv as dense rows (the full-sequence form; the kernel is "
+                   "sparse_attention_paged's)")
     return sparse_attention_ref(q, kv, indices, sink, scale)
 
 
@@ -183,9 +192,26 @@ def _(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_s
 # all of them wherever their slots agree at the same list position (other keys are fetched
 # per row: always correct, shared only where the lists align). Split-KV over the SMs with a
 # combine kernel when there are few CTAs; the epilogue (sink, inverse RoPE, bf16 or MXFP8)
-# runs in the last kernel. Requirements: H in {64, 128}, D = 512, bf16 q, FP8 or bf16 pages.
+# runs in the last kernel. Requirements: H in {64, 128}, D = 512, bf16 q, FP8 or bf16 pages;
+# other inputs on CUDA run the reference only where allowed (ops._fallback), else raise.
 _CUDA_H = (64, 128)
 _CUDA_G = (1, 2, 4)
+_CUDA_PAGES = (torch.uint8, torch.bfloat16)
+
+
+def paged_gap(q_dtype: torch.dtype, H: int, D: int, kv_dtype: torch.dtype,
+              extra_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """Why the CUDA kernel of sparse_attention_paged cannot serve these inputs (None: it can)."""
+    if q_dtype != torch.bfloat16:
+        return f"q has dtype {str(q_dtype)[6:]} (the kernel takes bfloat16)"
+    if H not in _CUDA_H:
+        return f"q has {H} heads (the kernel takes {' or '.join(map(str, _CUDA_H))})"
+    if D != _KVF.KV_DIM:
+        return f"q has head dim {D} (the kernel takes {_KVF.KV_DIM})"
+    for name, dt in (("kv", kv_dtype), ("extra_kv", extra_dtype)):
+        if dt is not None and dt not in _CUDA_PAGES:
+            return f"{name} pages have dtype {str(dt)[6:]} (the kernel reads FP8 (uint8) or bfloat16 pages)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -248,10 +274,9 @@ def _(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_s
       cos, sin, out_format, rows_per_group=1, num_splits=0):
     op = "sparse_attention_paged"
     T, H, D = q.shape
-    pages = (torch.uint8, torch.bfloat16)
-    if (q.dtype != torch.bfloat16 or H not in _CUDA_H or D != _KVF.KV_DIM or kv.dtype not in pages
-            or extra_kv is not None and extra_kv.dtype not in pages):
-        # outside the kernel's shapes (V4: bf16 q, H 64 / 128, D 512): the reference, on the GPU
+    why = paged_gap(q.dtype, H, D, kv.dtype, extra_kv.dtype if extra_kv is not None else None)
+    if why is not None:
+        need_reference(op, why)
         return sparse_attention_paged_ref(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv,
                                           extra_page_size, extra_indices, extra_lengths, cos, sin, out_format)
     if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:

@@ -17,14 +17,18 @@ Semantics (the references define them):
 
 CUDA (csrc/compressor): bf16 kv / score / states, fp32 ape / norm weight / cos / sin, D <= 512
 (D % 8 == 0): one warp per new row, the pooling (online softmax, fp32) and the row epilogue
-of csrc/norm; else the references.
+of csrc/norm. Other inputs on CUDA, and compress_pool (no kernel: the full-sequence form), run
+the references only where allowed (ops._fallback), else raise.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from deepfuse import _ext
 from deepfuse.ops._checks import check_tensor
+from deepfuse.ops._fallback import kernels_off_reason, need_reference
 from deepfuse.ops._registry import op
 from deepfuse.ops.kvcache import RowTarget, store_rows
 
@@ -38,6 +42,12 @@ def compress_pool_ref(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
 
 @op("compress_pool")
 def _compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    return compress_pool_ref(kv, score)
+
+
+@_compress_pool.register_kernel("cuda")
+def _(kv, score):
+    need_reference("compress_pool", "kv as dense blocks (the full-sequence form; the kernel is compress_store's)")
     return compress_pool_ref(kv, score)
 
 
@@ -79,12 +89,33 @@ def _compress_store(kv, score, state_kv, state_score, ape, src_fresh, src_state,
     return rows
 
 
-def _bf16(*ts) -> bool:
-    return all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in ts)
+def _streams_gap(kv, score, state_kv, state_score) -> Optional[str]:
+    """Why the compressor kernels cannot read these rows and state rings (None: they can)."""
+    for name, t in (("kv", kv), ("score", score), ("state_kv", state_kv), ("state_score", state_score)):
+        if t.dtype != torch.bfloat16:
+            return f"{name} has dtype {str(t.dtype)[6:]} (the kernel takes bfloat16)"
+        if t.stride(-1) != 1:
+            return f"{name} needs unit stride in its last dim (strides {t.stride()})"
+    if kv.stride(0) != score.stride(0):
+        return f"kv and score need one row stride, got {kv.stride(0)} and {score.stride(0)}"
+    if state_kv.stride(0) != state_score.stride(0):
+        return f"state_kv and state_score need one row stride, got {state_kv.stride(0)} and {state_score.stride(0)}"
+    return None
 
 
-def _f32(*ts) -> bool:
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in ts)
+def compress_gap(D: int, dtype: torch.dtype, target: RowTarget) -> Optional[str]:
+    """Why compress_store's kernel cannot pool D-wide rows of `dtype` into target (None: it can)."""
+    from deepfuse.ops.norm import store_gap
+
+    if dtype != torch.bfloat16:
+        return f"kv has dtype {str(dtype)[6:]} (the kernel takes bfloat16)"
+    if D % 8 or D > 512:
+        return f"the pooled rows are {D} wide (the kernel takes D % 8 == 0, D <= 512)"
+    return store_gap(D, target)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
 
 
 @_compress_store.register_kernel("cuda")
@@ -94,15 +125,18 @@ def _(kv, score, state_kv, state_score, ape, src_fresh, src_state, src_is_fresh,
     nb, L = src_fresh.shape
     w = kv.shape[-1]
     D = w // 2 if overlap else w
-    ok = (_ext.has_cuda_kernels() and _bf16(kv, score, state_kv, state_score) and _f32(ape, norm_weight, cos, sin)
-          and kv.stride(0) == score.stride(0) and state_kv.stride(0) == state_score.stride(0)
-          and D % 8 == 0 and D <= 512 and target.kernel_ok() and slots.dtype == torch.int64)
-    if not ok:
+    why = (kernels_off_reason() or compress_gap(D, kv.dtype, target)
+           or _streams_gap(kv, score, state_kv, state_score))
+    if why is None and slots.dtype != torch.int64:
+        why = f"slots has dtype {str(slots.dtype)[6:]} (the kernel takes int64)"
+    if why is not None:
+        need_reference("compress_store", why)
         return _compress_store.reference(kv, score, state_kv, state_score, ape, src_fresh, src_state, src_is_fresh,
                                          src_valid, src_ape, overlap, norm_weight, eps, cos, sin, pages, kind,
                                          page_size, slots)
     rows = torch.empty(nb, D, dtype=kv.dtype, device=kv.device)
     if nb:
+        ape, norm_weight, cos, sin = _f32(ape), _f32(norm_weight), _f32(cos), _f32(sin)
         idx = [t.contiguous() for t in (src_fresh, src_state, src_ape, src_is_fresh, src_valid)]
         _ext.ext(kv.device).compress_store(
             kv.data_ptr(), score.data_ptr(), kv.stride(0), state_kv.data_ptr(), state_score.data_ptr(),
@@ -129,9 +163,13 @@ def _state_store(kv, score, state_kv, state_score, slots):
 
 @_state_store.register_kernel("cuda")
 def _(kv, score, state_kv, state_score, slots):
-    ok = (_ext.has_cuda_kernels() and _bf16(kv, score, state_kv, state_score) and kv.stride(0) == score.stride(0)
-          and state_kv.stride(0) == state_score.stride(0) and kv.shape[-1] % 8 == 0 and slots.dtype == torch.int64)
-    if not ok:
+    why = kernels_off_reason() or _streams_gap(kv, score, state_kv, state_score)
+    if why is None and kv.shape[-1] % 8:
+        why = f"kv rows are {kv.shape[-1]} wide (the kernel takes a multiple of 8)"
+    if why is None and slots.dtype != torch.int64:
+        why = f"slots has dtype {str(slots.dtype)[6:]} (the kernel takes int64)"
+    if why is not None:
+        need_reference("state_store", why)
         return _state_store.reference(kv, score, state_kv, state_score, slots)
     _ext.ext(kv.device).state_store(kv.data_ptr(), score.data_ptr(), kv.stride(0), kv.shape[0], kv.shape[-1],
                                     state_kv.data_ptr(), state_score.data_ptr(), state_kv.stride(0),

@@ -13,14 +13,19 @@ entry_slots[token_req[t], e] (slot < 0: a zero key), out [N, C] fp32 with -inf f
 e >= n_vis[t]. CUDA (csrc/indexer, FP8 pages, H = 64, Di = 128, bf16 q): fp16 MMAs of q
 against the e4m3 codes, the key scale, ReLU and head weights fused; q is rounded to fp16 (exact
 for |q| in [2^-14, 65504]), so the kernel matches the reference to fp32 accumulation order.
+Other inputs on CUDA (e.g. dense key pages of a bf16 / "auto" cache) and indexer_scores (no
+kernel: the full-sequence form) run the reference only where allowed (ops._fallback), else raise.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from deepfuse import _ext
 from deepfuse import kv_format as F
 from deepfuse.ops._checks import check_tensor
+from deepfuse.ops._fallback import kernels_off_reason, need_reference
 from deepfuse.ops._registry import op
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,9 +44,15 @@ def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, 
     return out
 
 
-# no kernel yet: the op's body (the reference) also serves CUDA tensors.
 @op("indexer_scores")
 def _indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    return indexer_scores_ref(q, k, weights, scale)
+
+
+@_indexer_scores.register_kernel("cuda")
+def _(q, k, weights, scale):
+    need_reference("indexer_scores", "k as dense rows (the full-sequence form; the kernel is "
+                   "indexer_logits_paged's)")
     return indexer_scores_ref(q, k, weights, scale)
 
 
@@ -95,18 +106,37 @@ def _indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, pages: torch.T
     return indexer_logits_paged_ref(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale)
 
 
+def paged_gap(q_dtype: torch.dtype, H: int, Di: int, pages_dtype: torch.dtype) -> Optional[str]:
+    """Why the CUDA kernel of indexer_logits_paged cannot serve these inputs (None: it can)."""
+    if pages_dtype != torch.uint8:
+        return (f"pages hold {str(pages_dtype)[6:]} keys (the kernel reads FP8 key pages: an engine "
+                f"cache with kv_dtype='fp8')")
+    if H != 64:
+        return f"q has {H} index heads (the kernel takes 64)"
+    if Di != F.IDX_DIM:
+        return f"q has index head dim {Di} (the kernel takes {F.IDX_DIM})"
+    if q_dtype != torch.bfloat16:
+        return f"q has dtype {str(q_dtype)[6:]} (the kernel takes bfloat16)"
+    return None
+
+
 @_indexer_logits_paged.register_kernel("cuda")
 def _(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale):
     N, H, Di = q.shape
-    ok = (_ext.has_cuda_kernels() and pages.dtype == torch.uint8 and H == 64 and Di == 128
-          and q.dtype == torch.bfloat16 and weights.dtype == torch.float32 and entry_slots.dtype == torch.int64
-          and entry_slots.stride(1) == 1 and token_req.dtype == torch.int64 and n_vis.dtype == torch.int32)
-    if not ok:
+    why = kernels_off_reason() or paged_gap(q.dtype, H, Di, pages.dtype)
+    for name, t, dt in (("entry_slots", entry_slots, torch.int64), ("token_req", token_req, torch.int64),
+                        ("n_vis", n_vis, torch.int32)):
+        if why is None and t.dtype != dt:
+            why = f"{name} has dtype {str(t.dtype)[6:]} (the kernel takes {str(dt)[6:]})"
+    if why is not None:
+        need_reference("indexer_logits_paged", why)
         return indexer_logits_paged_ref(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale)
     C = entry_slots.shape[1]
     out = torch.empty(N, C, dtype=torch.float32, device=q.device)
     if N and C:
-        qc, wc = q.contiguous(), weights.contiguous()
+        qc, wc = q.contiguous(), weights.float().contiguous()
+        if entry_slots.stride(1) != 1:
+            entry_slots = entry_slots.contiguous()
         _ext.ext(q.device).indexer_logits_paged(
             qc.data_ptr(), wc.data_ptr(), pages.data_ptr(), pages.shape[1], pages.shape[0], page_size,
             entry_slots.data_ptr(), entry_slots.stride(0), token_req.contiguous().data_ptr(),

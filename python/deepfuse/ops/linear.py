@@ -13,9 +13,11 @@ CUDA (quant_linear and grouped_linear with fp8 / mxfp4 weights): the kernels qua
 DeepSeek's reference does, and run FP8 MMAs: M <= 64 streams the weight through the grouped
 GEMM kernel (csrc/gemm), larger M (fp8 weights, K % 128 == 0) goes to cuBLASLt through
 torch._scaled_mm with DeepSeek's block scales, mxfp4 always to our kernel.
-`set_activation_quant(False)` (or DEEPFUSE_ACT_QUANT=0) makes quant_linear and moe_experts
-run their references on the GPU too (exact dequantised weights, no activation rounding), for
-oracle comparisons.
+`set_activation_quant(False)` (or DEEPFUSE_ACT_QUANT=0) makes quant_linear, grouped_linear and
+moe_experts run their references on the GPU too (exact dequantised weights, no activation
+rounding), for oracle comparisons: an explicit choice, counted in ops.reference_calls(). Other
+inputs no kernel serves (e.g. dense grouped_linear weights) run the references on CUDA only
+where allowed (ops._fallback), else raise.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 from deepfuse import _ext
 
 from deepfuse.ops._checks import check_choice, check_tensor
+from deepfuse.ops._fallback import kernels_off_reason, need_reference
 from deepfuse.ops._registry import op
 from deepfuse.ops.cast import _scale_values, fp8_block_dequant
 
@@ -107,13 +110,30 @@ def _quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: st
 SMALL_M = 64  # rows up to which our weight-streaming kernel beats cuBLASLt (anchors-v4.md)
 
 
-def linear_kernel_supports(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: str) -> bool:
-    K = x.shape[-1]
-    if not (_ext.has_cuda_kernels() and activation_quant()) or x.dtype not in (torch.bfloat16, torch.float32):
+def linear_gap(x_dtype: torch.dtype, K: int, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> Optional[str]:
+    """Why the FP8 linear kernels cannot serve x [*, K] of x_dtype times w (None: they can)."""
+    if fmt not in _FMTS:
+        return f"w is {fmt} (the kernels take fp8 or mxfp4 weights)"
+    if x_dtype not in (torch.bfloat16, torch.float32):
+        return f"x has dtype {str(x_dtype)[6:]} (the kernels take bfloat16 or float32)"
+    if K % 32 or K > 16384:
+        return f"x rows are K = {K} wide (the kernels take K % 32 == 0, K <= 16384)"
+    if not w.is_contiguous() or scale is None or not scale.is_contiguous():
+        return "w and its scale must be contiguous for the kernels"
+    if fmt == "mxfp4" and (K % 128 or scale.dtype != torch.uint8):
+        return f"mxfp4 w needs K % 128 == 0 and uint8 scales for the kernels, got K = {K}, {str(scale.dtype)[6:]}"
+    return None
+
+
+def _linear_reference(op_name: str, why: Optional[str]) -> bool:
+    """Whether the call runs its reference (the policy of ops._fallback applied; raises if not allowed)."""
+    if not activation_quant():
+        need_reference(op_name, "activation quantisation is off (set_activation_quant)", explicit=True)
+        return True
+    if why is None:
         return False
-    if K % 32 or K > 16384 or not w.is_contiguous() or not scale.is_contiguous():
-        return False
-    return fmt == "fp8" or (K % 128 == 0 and scale.dtype == torch.uint8)
+    need_reference(op_name, why)
+    return True
 
 
 def _scaled_mm_fp8(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype) -> torch.Tensor:
@@ -130,7 +150,7 @@ def _scaled_mm_fp8(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
 
 @_quant_linear.register_kernel("cuda")
 def _(x, w, scale, fmt):
-    if not linear_kernel_supports(x, w, scale, fmt):
+    if _linear_reference("quant_linear", kernels_off_reason() or linear_gap(x.dtype, x.shape[-1], w, scale, fmt)):
         return quant_linear_ref(x, w, scale, fmt)
     K, N = x.shape[-1], w.shape[0]
     x2 = x.reshape(-1, K).contiguous()
@@ -155,6 +175,16 @@ def _(x, w, scale, fmt):
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
+def grouped_gap(x_dtype: torch.dtype, Kg: int, R: int, w: torch.Tensor, scale: Optional[torch.Tensor],
+                fmt: str) -> Optional[str]:
+    """Why the grouped kernel cannot serve x [*, G, Kg] times w [G * R, Kg] (None: it can)."""
+    if fmt == "dense":
+        return "w is dense (the grouped kernel takes fp8 or mxfp4 weights)"
+    if fmt == "fp8" and R % FP8_BLOCK:
+        return f"w has R = {R} rows per group (the fp8 grouped kernel takes multiples of {FP8_BLOCK})"
+    return linear_gap(x_dtype, Kg, w, scale, fmt)
+
+
 @op("grouped_linear")
 def _grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> torch.Tensor:
     return grouped_linear_ref(x, w, scale, fmt)
@@ -164,7 +194,7 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tens
 def _(x, w, scale, fmt):
     G, Kg = x.shape[-2], x.shape[-1]
     R = w.shape[0] // G
-    if fmt == "dense" or not linear_kernel_supports(x, w, scale, fmt) or (fmt == "fp8" and R % FP8_BLOCK):
+    if _linear_reference("grouped_linear", kernels_off_reason() or grouped_gap(x.dtype, Kg, R, w, scale, fmt)):
         return grouped_linear_ref(x, w, scale, fmt)
     x2 = x.reshape(-1, G * Kg).contiguous()
     M = x2.shape[0]

@@ -14,14 +14,18 @@ Semantics (the references below define them; all mixing math in fp32):
 
 CUDA (csrc/mhc, n = 4, d % 4 == 0, bf16 / fp32 streams): pre and head in two launches (the
 dot products over slices of the streams, then the mixing math and the weighted sum), post in
-one elementwise launch. Other shapes run the references.
+one elementwise launch. Other inputs on CUDA run the references only where allowed
+(ops._fallback), else raise.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from deepfuse import _ext
 from deepfuse.ops._checks import check_tensor
+from deepfuse.ops._fallback import kernels_off_reason, need_reference
 from deepfuse.ops._registry import op
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,14 +73,29 @@ def _hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     return hc_pre_ref(x, fn, scale, base, norm_eps, hc_eps, iters)
 
 
-def _kernel_ok(x, *params) -> bool:
-    return (_ext.has_cuda_kernels() and x.dim() >= 2 and x.shape[-2] == 4 and x.shape[-1] % 4 == 0
-            and x.dtype in (torch.bfloat16, torch.float32) and all(p.dtype == torch.float32 for p in params))
+def mix_gap(n: int, d: int, dtype: torch.dtype) -> Optional[str]:
+    """Why the mHC kernels cannot serve streams [*L, n, d] of `dtype` (None: they can)."""
+    if n != 4:
+        return f"x has {n} streams (the kernels take hc_mult 4)"
+    if d % 4:
+        return f"x rows are {d} wide (the kernels take d % 4 == 0)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"x has dtype {str(dtype)[6:]} (the kernels take bfloat16 or float32)"
+    return None
+
+
+def _kernel_gap(x) -> Optional[str]:
+    return kernels_off_reason() or mix_gap(x.shape[-2], x.shape[-1], x.dtype)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
 
 
 def _mix_cuda(x, fn, scale, base, norm_eps, hc_eps, iters, head):
     lead, n, d = x.shape[:-2], x.shape[-2], x.shape[-1]
-    xc, fc = x.contiguous(), fn.contiguous()
+    xc, fc = x.contiguous(), _f32(fn)
+    scale, base = _f32(scale), _f32(base)
     T = xc.numel() // (n * d)
     y = torch.empty(*lead, d, dtype=x.dtype, device=x.device)
     post = torch.empty(*lead, n, dtype=torch.float32, device=x.device)
@@ -93,7 +112,9 @@ def _mix_cuda(x, fn, scale, base, norm_eps, hc_eps, iters, head):
 
 @_hc_pre.register_kernel("cuda")
 def _(x, fn, scale, base, norm_eps, hc_eps, iters):
-    if not _kernel_ok(x, fn, scale, base):
+    why = _kernel_gap(x)
+    if why is not None:
+        need_reference("hc_pre", why)
         return hc_pre_ref(x, fn, scale, base, norm_eps, hc_eps, iters)
     return _mix_cuda(x, fn, scale, base, norm_eps, hc_eps, iters, False)
 
@@ -112,15 +133,19 @@ def _hc_post(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.T
 
 @_hc_post.register_kernel("cuda")
 def _(f, x, post, comb):
-    if not _kernel_ok(x, post, comb) or f.dtype != x.dtype:
+    why = _kernel_gap(x)
+    if why is None and f.dtype != x.dtype:
+        why = f"f has dtype {str(f.dtype)[6:]}, x {str(x.dtype)[6:]} (the kernel takes one dtype)"
+    if why is not None:
+        need_reference("hc_post", why)
         return hc_post_ref(f, x, post, comb)
-    xc, fc = x.contiguous(), f.contiguous()
+    xc, fc, pc, cc = x.contiguous(), f.contiguous(), _f32(post), _f32(comb)
     d = x.shape[-1]
     T = xc.numel() // (4 * d)
     out = torch.empty_like(xc)
     if T:
         _ext.ext(x.device).hc_post(fc.data_ptr(), xc.data_ptr(), x.dtype == torch.bfloat16,
-                                   post.contiguous().data_ptr(), comb.contiguous().data_ptr(), out.data_ptr(), T, d,
+                                   pc.data_ptr(), cc.data_ptr(), out.data_ptr(), T, d,
                                    _ext.stream(x.device))
     return out
 
@@ -138,7 +163,9 @@ def _hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 
 @_hc_head.register_kernel("cuda")
 def _(x, fn, scale, base, norm_eps, hc_eps):
-    if not _kernel_ok(x, fn, scale, base):
+    why = _kernel_gap(x)
+    if why is not None:
+        need_reference("hc_head", why)
         return hc_head_ref(x, fn, scale, base, norm_eps, hc_eps)
     return _mix_cuda(x, fn, scale, base, norm_eps, hc_eps, 1, True)[0]
 

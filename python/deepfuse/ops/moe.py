@@ -24,7 +24,10 @@ epilogue), the cast of h, GEMM2 (times the routing weight) and a combine that su
 slots in order (deterministic). FP8 e4m3 MMAs with fp32 accumulation; MXFP4 weights are decoded
 to e4m3 in shared memory. Activations are quantised there (the reference does not): the error
 bound in tests/test_moe_gpu.py states what that costs. No host sync; graph-capturable. No
-repacking: the kernels read the checkpoint layouts as stored.
+repacking: the kernels read the checkpoint layouts as stored. Other inputs on CUDA (dense
+experts, shapes outside the kernels) run the references only where allowed (ops._fallback),
+else raise; set_activation_quant(False) chooses the moe_experts reference explicitly. swiglu has
+no kernel by design: its torch form (three elementwise passes) is what runs on every device.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 
 from deepfuse import _ext
 from deepfuse.ops._checks import check_choice, check_int, check_tensor
+from deepfuse.ops._fallback import kernels_off_reason, need_reference
 from deepfuse.ops._registry import op
 from deepfuse.ops.linear import activation_quant, check_weight, dequant_weight
 
@@ -118,6 +122,15 @@ def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt: str, limit: fl
 _SCORE_CODE = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
+def route_gap(E: int, k: int) -> Optional[str]:
+    """Why the router kernel cannot serve E experts, top-k (None: it can)."""
+    if E > 1024:
+        return f"logits has {E} experts (the kernel takes <= 1024)"
+    if k > 32:
+        return f"k = {k} (the kernel takes k <= 32)"
+    return None
+
+
 @op("moe_route")
 def _moe_route(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, route_scale: float, score_func: str,
                hash_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +140,9 @@ def _moe_route(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, route
 @_moe_route.register_kernel("cuda")
 def _(logits, bias, k, route_scale, score_func, hash_ids):
     T, E = logits.shape
-    if not _ext.has_cuda_kernels() or E > 1024 or k > 32:
+    why = kernels_off_reason() or route_gap(E, k)
+    if why is not None:
+        need_reference("moe_route", why)
         return moe_route_ref(logits, bias, k, route_scale, score_func, hash_ids)
     lf = logits.float().contiguous()
     bf = None if bias is None else bias.float().contiguous()
@@ -168,19 +183,31 @@ def _moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: 
     return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, shared)
 
 
-def kernel_supports(x, w1, s1, s3, s2, fmt: str) -> bool:
-    """Whether moe_experts' CUDA kernels serve this problem (else the reference runs)."""
-    T, d = x.shape
+def experts_gap(d: int, x_dtype: torch.dtype, w1, s1, s3, s2, fmt: str) -> Optional[str]:
+    """Why moe_experts' CUDA kernels cannot serve x [T, d] of x_dtype with these experts (None: they can)."""
     E, I = w1.shape[0], w1.shape[1]
-    if fmt not in ("fp8", "mxfp4") or x.dtype not in (torch.bfloat16, torch.float32) or not _ext.has_cuda_kernels():
-        return False
-    if not activation_quant():
-        return False
-    if d % 32 or I % 32 or d > 8192 or I > 8192 or E > 2046:
-        return False
-    if fmt == "mxfp4":
-        return d % 128 == 0 and I % 128 == 0 and all(s.dtype == torch.uint8 for s in (s1, s3, s2))
-    return True
+    if fmt not in ("fp8", "mxfp4"):
+        return f"the experts are {fmt} (the kernels take fp8 or mxfp4 experts)"
+    if x_dtype not in (torch.bfloat16, torch.float32):
+        return f"x has dtype {str(x_dtype)[6:]} (the kernels take bfloat16 or float32)"
+    if d % 32 or I % 32 or d > 8192 or I > 8192:
+        return f"x has d = {d}, the experts I = {I} (the kernels take multiples of 32, <= 8192)"
+    if E > 2046:
+        return f"w1 has {E} experts (the kernels take <= 2046)"
+    if fmt == "mxfp4" and (d % 128 or I % 128 or any(s.dtype != torch.uint8 for s in (s1, s3, s2))):
+        return f"mxfp4 experts need d, I multiples of 128 and uint8 scales for the kernels, got d = {d}, I = {I}"
+    return None
+
+
+def shared_gap(I: int, shared) -> Optional[str]:
+    """Why the fused kernels cannot run the shared expert as one more expert (None: they can)."""
+    if shared is None:
+        return None
+    if _weight_fmt(shared[0]) != "fp8":
+        return "the shared expert is dense (the fused kernels take an fp8 shared expert)"
+    if shared[0].shape[0] != I:
+        return f"the shared expert has {shared[0].shape[0]} rows (the fused kernels take I = {I})"
+    return None
 
 
 def _kernel_weight(w: torch.Tensor, s: torch.Tensor):
@@ -190,11 +217,19 @@ def _kernel_weight(w: torch.Tensor, s: torch.Tensor):
 @_moe_experts.register_kernel("cuda")
 def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2):
     shared = None if sh_w1 is None else (sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2)
-    if not kernel_supports(x, w1, s1, s3, s2, fmt):
-        return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, shared)
     T, d = x.shape
     E, I, k = w1.shape[0], w1.shape[1], ids.shape[1]
-    fused = shared is not None and _weight_fmt(sh_w1) == "fp8" and sh_w1.shape[0] == I
+    if not activation_quant():
+        need_reference("moe_experts", "activation quantisation is off (set_activation_quant)", explicit=True)
+        return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, shared)
+    why = kernels_off_reason() or experts_gap(d, x.dtype, w1, s1, s3, s2, fmt)
+    if why is not None:
+        need_reference("moe_experts", why)
+        return moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, shared)
+    shared_why = shared_gap(I, shared)
+    if shared_why is not None:  # the routed experts on the kernels, the shared expert's reference added
+        need_reference("moe_experts", shared_why)
+    fused = shared is not None and shared_why is None
     ws = [t.contiguous() for t in (w1, s1, w3, s3, w2, s2)]
     sh = None
     if fused:

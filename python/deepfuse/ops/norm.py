@@ -11,8 +11,8 @@ Semantics (the references define them):
 
 CUDA (csrc/norm): bf16 x, D % 8 == 0, D <= 4096, fp32 weight / cos / sin: one warp per row,
 the row in registers; the standalone ops and the fusions run the same device code, so a
-fused store writes exactly what rms_norm + rope + kv_store write. Other inputs run the
-references.
+fused store writes exactly what rms_norm + rope + kv_store write. Other inputs on CUDA run
+the references only where allowed (ops._fallback), else raise.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 
 from deepfuse import _ext
 from deepfuse.ops._checks import check_tensor
+from deepfuse.ops._fallback import kernels_off_reason, need_reference
 from deepfuse.ops._registry import op
 from deepfuse.ops.kvcache import RowTarget, store_rows
 from deepfuse.ops.rope import rope_ref
@@ -42,11 +43,25 @@ def norm_rope_ref(x, weight, eps, cos, sin):
 
 
 # ----------------------------------------------------------------------------- CUDA launcher
-def rows_kernel_ok(x: torch.Tensor, *fp32: Optional[torch.Tensor]) -> bool:
-    """Whether the row kernel serves x (and its fp32 side inputs)."""
-    return (_ext.has_cuda_kernels() and x.dtype == torch.bfloat16 and x.dim() >= 1 and x.shape[-1] % 8 == 0
-            and 0 < x.shape[-1] <= 4096
-            and all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in fp32))
+ROW_MAX = 4096
+
+
+def rows_gap(D: int, dtype: torch.dtype) -> Optional[str]:
+    """Why the row kernel cannot serve rows x [..., D] of `dtype` (None: it can)."""
+    if dtype != torch.bfloat16:
+        return f"x has dtype {str(dtype)[6:]} (the row kernel takes bfloat16)"
+    if D % 8 or not 0 < D <= ROW_MAX:
+        return f"x rows are {D} wide (the row kernel takes D % 8 == 0, D <= {ROW_MAX})"
+    return None
+
+
+def rows_kernel_gap(x: torch.Tensor) -> Optional[str]:
+    """Why the row kernel cannot serve x (None: it can; side inputs are read as contiguous fp32)."""
+    return kernels_off_reason() or rows_gap(x.shape[-1] if x.dim() else 0, x.dtype)
+
+
+def _f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.float().contiguous()
 
 
 def launch_rows(x: torch.Tensor, y: Optional[torch.Tensor], *, norm: bool, weight=None, eps: float = 1e-6,
@@ -66,6 +81,21 @@ def launch_rows(x: torch.Tensor, y: Optional[torch.Tensor], *, norm: bool, weigh
         _ext.stream(x.device))
 
 
+def store_gap(D: int, target: RowTarget) -> Optional[str]:
+    """Why the fused row store cannot write D-wide rows to target (None: it can)."""
+    if not target.kernel_ok():
+        return (f"target pages have dtype {str(target.pages.dtype)[6:]} (the fused store writes FP8 or "
+                f"bfloat16 pages)")
+    if target.kind == "dense":
+        fits, want = D <= 512, "<= 512"
+    else:
+        width = 512 if target.kind == "kv_fp8" else 128
+        fits, want = D == width, f"== {width}"
+    if not fits:
+        return f"rows are {D} wide (the fused store into {target.kind} pages takes D {want})"
+    return None
+
+
 # ----------------------------------------------------------------------------- custom ops
 @op("rms_norm")
 def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
@@ -74,11 +104,13 @@ def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> to
 
 @_rms_norm.register_kernel("cuda")
 def _(x, weight, eps):
-    if not rows_kernel_ok(x, weight):
+    why = rows_kernel_gap(x)
+    if why is not None:
+        need_reference("rms_norm", why)
         return rms_norm_ref(x, weight, eps)
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    launch_rows(xc, y, norm=True, weight=weight, eps=eps)
+    launch_rows(xc, y, norm=True, weight=_f32(weight), eps=eps)
     return y
 
 
@@ -95,11 +127,13 @@ def _norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos:
 
 @_norm_rope.register_kernel("cuda")
 def _(x, weight, eps, cos, sin):
-    if not rows_kernel_ok(x, weight, cos, sin):
+    why = rows_kernel_gap(x)
+    if why is not None:
+        need_reference("norm_rope", why)
         return norm_rope_ref(x, weight, eps, cos, sin)
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    launch_rows(xc, y, norm=True, weight=weight, eps=eps, cos=cos, sin=sin)
+    launch_rows(xc, y, norm=True, weight=_f32(weight), eps=eps, cos=_f32(cos), sin=_f32(sin))
     return y
 
 
@@ -119,15 +153,18 @@ def _norm_rope_store(x, weight, eps, cos, sin, pages, kind, page_size, slots):
 @_norm_rope_store.register_kernel("cuda")
 def _(x, weight, eps, cos, sin, pages, kind, page_size, slots):
     target = RowTarget(pages, kind, page_size)
-    D = x.shape[-1]
-    fits = D == 512 if kind == "kv_fp8" else D == 128 if kind != "dense" else D <= 512
-    if not (rows_kernel_ok(x, weight, cos, sin) and target.kernel_ok() and fits and slots.dtype == torch.int64):
+    why = rows_kernel_gap(x) or store_gap(x.shape[-1], target)
+    if why is None and slots.dtype != torch.int64:
+        why = f"slots has dtype {str(slots.dtype)[6:]} (the kernel takes int64)"
+    if why is not None:
+        need_reference("norm_rope_store", why)
         y = norm_rope_ref(x, weight, eps, cos, sin)
         store_rows(target, y, slots)
         return y
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    launch_rows(xc, y, norm=True, weight=weight, eps=eps, cos=cos, sin=sin, target=target, slots=slots.contiguous())
+    launch_rows(xc, y, norm=True, weight=_f32(weight), eps=eps, cos=_f32(cos), sin=_f32(sin),
+                target=target, slots=slots.contiguous())
     return y
 
 

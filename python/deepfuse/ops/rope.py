@@ -5,7 +5,8 @@ form pairs (x[2i], x[2i+1]) rotated by angle a_i: (x0 c - x1 s, x1 c + x0 s), c 
 s = sin a_i, in fp32, cast back to x.dtype. inverse=True rotates by -a_i (V4 applies it to
 the attention output). The leading D - R values pass through unchanged.
 x: [*L, D] or [*L, H, D]; cos, sin: [*L, R/2] (fp32, per token).
-CUDA: the row kernel of csrc/norm (bf16 x, D % 8 == 0, D <= 4096); else the reference.
+CUDA: the row kernel of csrc/norm (bf16 x, D % 8 == 0, D <= 4096); other inputs run the
+reference only where allowed (ops._fallback), else raise.
 """
 from __future__ import annotations
 
@@ -37,13 +38,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) 
 
 @_rope.register_kernel("cuda")
 def _(x, cos, sin, inverse):
-    from deepfuse.ops.norm import launch_rows, rows_kernel_ok
+    from deepfuse.ops._fallback import need_reference
+    from deepfuse.ops.norm import _f32, launch_rows, rows_kernel_gap
 
-    if not rows_kernel_ok(x, cos, sin):
+    why = rows_kernel_gap(x)
+    if why is not None:
+        need_reference("rope", why)
         return rope_ref(x, cos, sin, inverse)
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    launch_rows(xc, y, norm=False, cos=cos, sin=sin, inverse=inverse)
+    launch_rows(xc, y, norm=False, cos=_f32(cos), sin=_f32(sin), inverse=inverse)
     return y
 
 
