@@ -662,6 +662,9 @@ def create_app(st: ServerState) -> FastAPI:
                         yield _sse(text)
                 except APIError as e:
                     yield _sse(json.dumps(e.body()))
+                except Exception as e:  # noqa: BLE001 (the stream still ends with an error event and [DONE])
+                    log.exception("stream failed")
+                    yield _sse(json.dumps(APIError(500, f"internal error: {type(e).__name__}: {e}").body()))
                 yield _sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -702,6 +705,9 @@ def create_app(st: ServerState) -> FastAPI:
                         yield _sse(json.dumps(chunk([], usage(n_gen))))
                 except APIError as e:
                     yield _sse(json.dumps(e.body()))
+                except Exception as e:  # noqa: BLE001 (the stream still ends with an error event and [DONE])
+                    log.exception("stream failed")
+                    yield _sse(json.dumps(APIError(500, f"internal error: {type(e).__name__}: {e}").body()))
                 yield _sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -160,24 +160,41 @@ class EngineLoop:
             except Exception:  # noqa: BLE001
                 log.exception("engine abort failed")
 
+    def _once(self) -> bool:
+        """Drain the commands, run one step -> False on "stop"."""
+        busy = self.engine.has_unfinished()
+        try:
+            cmd = self._cmds.get_nowait() if busy else self._cmds.get(timeout=0.5)
+        except queue.Empty:
+            cmd = None
+        while cmd is not None:
+            if cmd[0] == "stop":
+                return False
+            self._handle(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                cmd = None
+        if self.engine.has_unfinished():
+            self._step()
+        return True
+
     def _run(self):
         try:
             while not self._stop.is_set():
-                busy = self.engine.has_unfinished()
                 try:
-                    cmd = self._cmds.get_nowait() if busy else self._cmds.get(timeout=0.5)
-                except queue.Empty:
-                    cmd = None
-                while cmd is not None:
-                    if cmd[0] == "stop":
+                    if not self._once():
                         return
-                    self._handle(cmd)
-                    try:
-                        cmd = self._cmds.get_nowait()
-                    except queue.Empty:
-                        cmd = None
-                if self.engine.has_unfinished():
-                    self._step()
+                except Exception as e:  # noqa: BLE001 (the loop outlives any error)
+                    log.exception("engine loop error; ending the running requests")
+                    for rid in self._in_step():
+                        try:
+                            self.engine.abort(rid)
+                        except Exception:  # noqa: BLE001
+                            pass
+                        self._deliver(rid, Item([], finished=True, finish_reason="error",
+                                                error=f"engine error: {type(e).__name__}: {e}"))
+                    time.sleep(0.05)
         finally:
             self.alive = False
             for rid in list(self._sinks):
