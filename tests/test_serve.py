@@ -486,6 +486,14 @@ BAD = [
             "name": "b"}}}, 400, "tool_choice"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"},
+                                                           {"role": "tool", "content": "r"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "parallel_tool_calls": "x"}, 400, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tool_choice": "sometimes"}, 400, "tool_choice"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
@@ -820,26 +828,37 @@ def test_a_raising_step_ends_its_requests_and_the_loop_goes_on(live, monkeypatch
 def test_max_pending_holds_for_a_burst(live, monkeypatch):
     """N simultaneous requests over a limit L: exactly N - L get 503 while the first L are
     still being prepared (the count starts when a request is accepted)."""
+    import threading
+
     import deepfuse.serve.app as app_mod
 
     base, st = live
     L, N = LIVE_PENDING, 3 * LIVE_PENDING
-    real, seen = app_mod.prepare_completion, []
+    real, seen, gate = app_mod.prepare_completion, [], threading.Event()
 
-    def slow(st_, body):
+    def held(st_, body):  # preparation waits until the burst has been answered
         seen.append(st_.engine_loop.num_pending)
-        time.sleep(0.5)
+        gate.wait(30)
         return real(st_, body)
 
-    monkeypatch.setattr(app_mod, "prepare_completion", slow)
+    monkeypatch.setattr(app_mod, "prepare_completion", held)
 
     async def main():
         async with httpx.AsyncClient(base_url=base, timeout=60,
                                      limits=httpx.Limits(max_connections=N + 4)) as hc:
-            return await asyncio.gather(*(hc.post("/v1/completions", json={"model": MODEL, "prompt": f"p{i}",
-                                                                            "max_tokens": 4}) for i in range(N)))
+            tasks = [asyncio.create_task(hc.post("/v1/completions", json={"model": MODEL, "prompt": f"p{i}",
+                                                                          "max_tokens": 4})) for i in range(N)]
+            t0 = time.time()
+            while sum(t.done() for t in tasks) < N - L and time.time() - t0 < 30:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # a request over the limit that was let in would show here
+            gate.set()
+            return await asyncio.gather(*tasks)
 
-    rs = asyncio.run(main())
+    try:
+        rs = asyncio.run(main())
+    finally:
+        gate.set()
     codes = sorted(r.status_code for r in rs)
     assert codes == [200] * L + [503] * (N - L), codes
     assert all(r.json()["error"]["code"] == "overloaded" for r in rs if r.status_code == 503)

@@ -148,6 +148,7 @@ def common_sampling(body: dict, *, default_max_tokens: Optional[int], min_max_to
         raise bad("stream_options.include_usage", "'stream_options.include_usage' must be a boolean")
     out["include_usage"] = inc
     _get(body, "user", lambda x: isinstance(x, str), "must be a string")
+    _get(body, "logit_bias", lambda x: x == {}, "is not supported")
     return out
 
 
@@ -236,6 +237,7 @@ def check_chat(body: dict) -> None:
         if name not in names:
             raise bad("tool_choice", f"'tool_choice' names the function {json.dumps(name)[:80]}, which is not in "
                                      f"'tools' ({', '.join(names) or 'none'})")
+    _get(body, "parallel_tool_calls", lambda x: isinstance(x, bool), "must be a boolean")
     th = _get(body, "thinking", lambda x: isinstance(x, dict), "must be an object")
     if th is not None and th.get("type") not in ("enabled", "disabled", "adaptive"):
         raise bad("thinking.type", "'thinking.type' must be one of enabled, disabled, adaptive")
@@ -246,10 +248,14 @@ def check_chat(body: dict) -> None:
 def conversion_param(message: str) -> Optional[str]:
     """Best guess of the field a deepseek-recipe conversion error is about."""
     m = message.lower()
+    if "for function" in m:
+        return "tools"
+    if "tool_call_id" in m or "tool messages" in m:
+        return "messages"
+    if "'tool_call'" in m or "tool_choice" in m:
+        return "tool_choice"
     if "schema" in m:
         return "response_format"
-    if "tool_call" in m or "tool_choice" in m:
-        return "tool_choice"
     for key in ("max_completion_tokens", "max_tokens", "top_logprobs", "logprobs", "temperature", "top_p",
                 "tool_choice", "tools", "response_format", "reasoning_effort", "thinking", "stop", "messages",
                 "model", "seed", "stream_options"):
