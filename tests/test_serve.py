@@ -189,6 +189,19 @@ def test_think_gate_and_safe_constraint():
     assert s.failed and s.is_terminated() and not s.accept_token(1)
 
 
+def test_max_pending_must_be_positive():
+    from deepfuse.serve import build
+    from deepfuse.serve.protocol import MAX_JSON_DEPTH, APIError, parse_body
+
+    for v in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="max_pending"):
+            build(MODEL, max_pending=v)  # refused before the model is loaded
+    deep = b'{"a": "' + b"[" * 500 + b'", "b": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
+    assert parse_body(deep)["a"] == "[" * 500  # brackets inside strings do not nest
+    with pytest.raises(APIError, match="deeper"):
+        parse_body(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1))
+
+
 # ------------------------------------------------------------------ endpoints
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]

@@ -22,6 +22,8 @@ def build(model: str = "tiny", *, device=None, dtype=None, tokenizer=None, serve
     from .metrics import Metrics
     from .tokenizer import Tokenizer, resolve_tokenizer_dir
 
+    if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+        raise ValueError(f"deepfuse.serve: max_pending must be an int >= 1, got {max_pending!r}")
     llm = LLM(model, device=device, dtype=dtype, **engine_kw)
     eng = llm.engine
     tok = Tokenizer(resolve_tokenizer_dir(model, tokenizer), vocab_size=eng.vocab_size)
