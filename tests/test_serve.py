@@ -813,6 +813,15 @@ def test_one_failing_request_never_fails_the_others(live, monkeypatch, wrapped):
     assert goods == [("length", 24)] * 3, goods
     assert r_bad.status_code == 500 and "boom in the grammar" in r_bad.json()["error"]["message"], r_bad.text
     assert s_bad[-1] == "[DONE]" and "boom in the grammar" in json.loads(s_bad[-2])["error"]["message"], s_bad
+    c = _live_client(base)  # chat: the same, streamed or not
+    rf = {"type": "regex", "regex": "FAIL"}
+    with pytest.raises(openai.InternalServerError, match="boom in the grammar"):
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=20,
+                                  response_format=rf, extra_body=NO_THINK)
+    with pytest.raises(openai.APIError, match="boom in the grammar"):
+        for _ in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=20,
+                                           response_format=rf, stream=True, extra_body=NO_THINK):
+            pass
     assert httpx.get(base + "/health").json() == {"status": "ok"}
     wait_idle(base)
 
