@@ -368,9 +368,9 @@ def _serve(model, **kw):
     from test_engine import prompts_for
 
     prompts = prompts_for([300, 7, 150, 530], model.cfg.vocab_size, seed=3)
-    llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=512, max_total_tokens=8192, **kw)
-    with warnings.catch_warnings(record=True) as w:
+    with warnings.catch_warnings(record=True) as w:  # graph capture at start-up included
         warnings.simplefilter("always")
+        llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=512, max_total_tokens=8192, **kw)
         outs = llm.generate(prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(prompts))
     assert [len(o.token_ids) for o in outs] == [6] * len(prompts)
     stats = llm.engine.stats()
