@@ -29,6 +29,7 @@ from .allocator import PageAllocator
 from .context import CacheGeometry
 
 KV_DTYPES = ("auto", "fp8", "bf16")
+CPU_TOTAL_TOKENS = 1 << 17  # max_total_tokens on the CPU when not given
 
 
 @dataclass
@@ -73,6 +74,22 @@ class ReqCache:
     tokens: int = 0                                # context tokens reserved
     pages: dict = field(default_factory=dict)      # ratio -> list of page ids (block table row)
     page_limit: int = -1                           # most tokens the pages held can serve
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """A cache's device bytes as a function of max_total_tokens: the fixed part (window rings,
+    compressor states, block tables) and per ratio the bytes of one page over its layers."""
+
+    fixed: int
+    pools: tuple                  # (ratio, bytes of one page: compressed rows + indexer keys of every layer)
+    page_size: int
+    num_slots: int
+    factor: int = 1               # 2 with saved prefixes
+
+    def bytes(self, tokens: int) -> int:
+        return self.fixed + sum(((-(-tokens // (r * self.page_size)) + self.num_slots) * self.factor + 1) * b
+                                for r, b in self.pools)
 
 
 class CacheManager:
@@ -132,9 +149,7 @@ class CacheManager:
             counts[r] = counts.get(r, 0) + 1
         for r, overlap in schedules:
             n = counts[r]
-            P = -(-max_total_tokens // (r * ps)) + S
-            if num_saved_prefixes:  # pages the prefix index holds beyond the running requests'
-                P *= 2
+            P = self._pool_pages(max_total_tokens, r)
             self.pools[r] = PageAllocator(P)
             self.comp[r] = self._kv_pool(n, P + 1, ps, D)
             maxp = max(1, -(-(max_model_len // r) // ps))
@@ -157,6 +172,11 @@ class CacheManager:
         self.evict = None  # callback(pages_needed) -> bool: free index-held pages (the prefix cache)
 
     # ------------------------------------------------------------------ storage
+    def _pool_pages(self, tokens: int, r: int) -> int:
+        """Pages of ratio r's pool for a budget of `tokens` (the trash page not counted)."""
+        P = -(-tokens // (r * self.page_size)) + self.num_slots
+        return 2 * P if self.num_saved else P  # saved prefixes: pages the prefix index holds beyond the requests'
+
     def _kv_pool(self, L: int, P: int, ps: int, D: int) -> torch.Tensor:
         if self.fp8:
             return torch.zeros(L, P, ps * F.KV_ROW_BYTES, dtype=torch.uint8, device=self.device)
@@ -176,6 +196,22 @@ class CacheManager:
         if self.index is not None:
             ts.append(self.index)
         return sum(t.numel() * t.element_size() for t in ts)
+
+    def device_bytes(self) -> int:
+        """Every device tensor of the cache: the pools and states (nbytes()) and the block tables."""
+        return self.nbytes() + sum(t.numel() * t.element_size() for t in self.block_tables.values())
+
+    def layout(self) -> "CacheLayout":
+        """How device_bytes() depends on max_total_tokens, the other settings kept (memory planning)."""
+        per_page = []
+        for r in self.pools:
+            b = self.comp[r][:, 0].numel() * self.comp[r].element_size()
+            if r == self.index_ratio:
+                b += self.index[:, 0].numel() * self.index.element_size()
+            per_page.append((r, b))
+        var = sum((self._pool_pages(self.max_total_tokens, r) + 1) * b for r, b in per_page)
+        return CacheLayout(self.device_bytes() - var, tuple(per_page), self.page_size, self.num_slots,
+                           2 if self.num_saved else 1)
 
     def layer(self, i: int) -> LayerCacheView:
         r = self.layer_ratio[i]
@@ -356,15 +392,20 @@ class CacheManager:
         return max(b, 1.0)
 
 
-def default_total_tokens(cfg, kv_dtype: str, model_dtype, device, max_num_seqs: int, max_model_len: int) -> int:
-    """max_total_tokens when not given: half the free device memory (CUDA) or 128K tokens
-    (CPU), never more than max_num_seqs full-length requests."""
+def default_total_tokens(cfg, kv_dtype: Optional[str], model_dtype, device, max_num_seqs: int,
+                         max_model_len: int) -> int:
+    """max_total_tokens when not given and not planned (engine/memory.py plans it on CUDA):
+    128K tokens on the CPU; half the free device memory on CUDA (tensor parallel ranks),
+    never more than max_num_seqs full-length requests. kv_dtype None: memory.resolve_kv_dtype."""
+    from .memory import resolve_kv_dtype
+
+    kv_dtype = resolve_kv_dtype(kv_dtype, cfg, device, model_dtype)
     cap = max_num_seqs * max_model_len
     dev = torch.device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         n = int(0.5 * free / CacheManager.bytes_per_token(cfg, kv_dtype, model_dtype))
     else:
-        n = 1 << 17
+        n = CPU_TOTAL_TOKENS
     return max(1, min(cap, n, 1 << 31))
 

@@ -258,10 +258,15 @@ def device_context(hc: HostContext, d: list[torch.Tensor], geom: CacheGeometry, 
         n_vis, state_slots, n_ent, blk_pos, blk_slot, pos0, bstart, bcu, bslot_req = d[k:k + 9]
         bt = block_tables[r]
         if cmax:
-            e = _arange(cmax, dev)
-            page = (e // ps).clamp_(max=bt.shape[1] - 1)
-            entry_slots = (bt[slot_d.clamp(min=0)][:, page] * ps + e.remainder(ps)).masked_fill_(
-                e[None, :] >= n_ent[:, None], -1)
+            npg = -(-cmax // ps)  # pages of the widest request (<= the block table's width: max_model_len)
+            if npg > bt.shape[1]:
+                raise ValueError(f"deepfuse: step has {cmax} compressed entries at ratio {r}, more than the block "
+                                 f"tables hold ({bt.shape[1]} pages of {ps})")
+            rows = bt[slot_d.clamp(min=0), :npg]
+            entry_slots = (rows[:, :, None] * ps + _arange(ps, dev)).view(B, npg * ps)
+            if npg * ps != cmax:
+                entry_slots = entry_slots[:, :cmax].contiguous()
+            entry_slots.masked_fill_(_arange(cmax, dev)[None, :] >= n_ent[:, None], -1)
         else:
             entry_slots = bt.new_zeros(B, 0)
         L = 2 * r if overlap else r

@@ -7,15 +7,22 @@ context's expansions (context.device_context) from one static index buffer, and 
 flat forward; per step the host fills the buffer (one copy, stream-ordered, so it may be
 issued while the previous step still runs) and replays. Padding (context.Padding): pad
 requests have request slot -1 (they store nothing and read nothing: no window rows), pad
-blocks have no valid source, entry tables have the static width of the block tables, so one
-graph per (bucket, T) serves every context length. Padded rows' logits are dropped.
+blocks have no valid source, entry tables have the static width of the block tables
+(ceil(max_model_len / r) entries rounded up to pages: the most one request can have), so
+one graph per (bucket, T) serves every context length. Padded rows' logits are dropped.
+
+Memory: all graphs share one pool, captured largest bucket first; what a graph keeps
+between replays is its static buffer, its context's expansions (entry tables [bucket,
+width] int64 per schedule, window indices [bucket * T, W]) and its logits [bucket * T,
+vocab] fp32; buffer_bytes() counts them, pool_bytes is the measured total (the capture's
+growth of torch's reserved memory: kept tensors plus the pool's free blocks).
 
 On the CPU (no graphs) the same padded static steps run eagerly: tests of the padding.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -37,6 +44,22 @@ class _Graph:
     out: object                       # logits [R, V] or (logits, streams [N, hc, d]), graph memory
 
 
+def _tensors(x):
+    """The tensors in x (nested tuples, lists, dicts and dataclasses)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+    elif is_dataclass(x) and not isinstance(x, type):
+        for f in fields(x):
+            if f.name != "graph":
+                yield from _tensors(getattr(x, f.name))
+
+
 class GraphRunner:
     def __init__(self, model, cache, *, max_reqs: int, tokens: tuple[int, ...] = (1,), return_streams: bool = False,
                  buckets: Optional[tuple[int, ...]] = None):
@@ -52,6 +75,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
         self.capture_s = 0.0
+        self.pool_bytes = 0  # reserved memory the capture added (CUDA)
 
     # ------------------------------------------------------------------ shapes
     def key(self, counts: np.ndarray, num_logits: np.ndarray) -> Optional[tuple[int, int]]:
@@ -109,12 +133,36 @@ class GraphRunner:
         return _Graph(pad, buf, hc, d, ctx, g, out)
 
     def capture_all(self) -> float:
-        """Capture every (bucket, T), largest first (smaller ones reuse its memory) -> seconds."""
+        """Capture every (bucket, T), largest first (smaller ones reuse its memory) -> seconds;
+        pool_bytes: the memory it took."""
+        r0 = self._reserved()
         for T in self.tokens:
             for b in reversed(self.buckets):
                 if (b, T) not in self.graphs:
                     self.graphs[(b, T)] = self._build((b, T))
+        if self.capture:
+            self.pool_bytes += max(0, self._reserved() - r0)
         return self.capture_s
+
+    def _reserved(self) -> int:
+        if not self.capture:
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
+
+    def buffer_bytes(self) -> dict[tuple[int, int], int]:
+        """(bucket, T) -> bytes of the tensors its graph keeps (static buffer, context, outputs)."""
+        out = {}
+        for key, g in self.graphs.items():
+            seen, n = set(), 0
+            for t in _tensors((g.buf, g.ctx, g.out)):
+                p = t.untyped_storage().data_ptr()
+                if p not in seen:
+                    seen.add(p)
+                    n += t.untyped_storage().nbytes()
+            out[key] = n
+        return out
 
     # ------------------------------------------------------------------ replay
     def prepare(self, key, ids, starts, counts, slots, num_logits) -> StepContext:

@@ -43,14 +43,17 @@ def _load(model, device, dtype):
 
 
 class LLM:
-    def __init__(self, model, device=None, dtype: Optional[torch.dtype] = None, kv_dtype: str = "auto",
+    def __init__(self, model, device=None, dtype: Optional[torch.dtype] = None, kv_dtype: Optional[str] = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_total_tokens: Optional[int] = None,
                  max_model_len: Optional[int] = None, num_speculative_tokens: int = 0, tensor_parallel_size: int = 1,
                  expert_parallel: bool = True, **engine_kw):
         """tensor_parallel_size N > 1: one process per rank (GPU r on CUDA, gloo on the CPU),
         attention split over heads, the routed experts over ranks (expert_parallel=True) or
         inside each expert (False); model must then be a checkpoint directory or "tiny", and
-        self.model is rank 0's part (engine/distributed.py). Call shutdown() at the end."""
+        self.model is rank 0's part (engine/distributed.py). Call shutdown() at the end.
+        kv_dtype None: "fp8" on CUDA (bf16 V4 models), "auto" (lossless) otherwise; on CUDA the
+        caches are sized by the memory plan (engine/memory.py; engine_kw gpu_memory_utilization,
+        default 0.9) unless max_total_tokens is given (then it is checked against the plan)."""
         cfg = EngineConfig(kv_dtype=kv_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_total_tokens=max_total_tokens, max_model_len=max_model_len,
                            num_speculative_tokens=num_speculative_tokens, **engine_kw).validate()
