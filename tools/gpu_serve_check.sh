@@ -80,11 +80,10 @@ assert all(u["completion_tokens"] == 128 for u in us), us
 print(f"8 concurrent 1024-in / 128-out: {dt:.2f} s, {8 * 128 / dt:.0f} output tok/s")
 st = json.load(urllib.request.urlopen(base + "/stats"))
 json.dump(st, open(f"{out}/stats-{name}.json", "w"), indent=1, default=str)
-plan = st.get("memory_plan") or st.get("engine", {}).get("memory_plan")
+plan = st.get("memory_plan")
 print("plan:", {k: v for k, v in (plan or {}).items() if k.endswith("_gib") or k in
                 ("max_total_tokens", "max_model_len", "kv_dtype", "capture_s", "plan_s", "graph_buckets")})
-refs = st.get("reference_calls") or st.get("engine", {}).get("reference_calls")
-print("reference calls:", refs)
+print("reference calls:", st.get("reference_calls"))
 EOF
   if [ -n "${BENCH:-}" ]; then
     python3 -m microbench.bench_serving --base-url "http://127.0.0.1:$port" --max-concurrency "${BENCH_CONC:-1,16,64}" \
