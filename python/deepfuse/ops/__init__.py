@@ -66,7 +66,7 @@ __all__ = [
     "window_restore",
     "kv_dequant",
     "indexer_key_dequant",
-    # model-graph ops (references; kernels drop in behind the same names)
+    # model-graph ops
     "rms_norm",
     "rope",
     "norm_rope",

@@ -102,8 +102,8 @@ def need_reference(op: str, reason: str, *, explicit: bool = False) -> None:
         first = op not in _warned
         _warned.add(op)
     if first:
-        warnings.warn(f"deepfuse: {op} runs its torch reference on CUDA ({reason}); allowed by the caller, "
-                      f"counted in deepfuse.ops.reference_calls()", ReferenceWarning, stacklevel=3)
+        warnings.warn(f"deepfuse: {op} runs its torch reference on CUDA ({reason}); allowed (allow_reference: the "
+                      f"caller's or the model's choice), counted in deepfuse.ops.reference_calls()", ReferenceWarning, stacklevel=3)
 
 
 def reference_calls() -> dict[str, int]:
