@@ -696,6 +696,59 @@ def test_json_strings_never_hold_raw_control_characters():
     assert raw_bad > 0  # the upstream gap is still there (drop the mask once xgrammar closes it)
 
 
+def test_json_guard_checks_the_finished_text():
+    from deepfuse.serve.grammar import JsonGuard, SafeConstraint
+    from deepfuse.serve.tokenizer import Tokenizer, resolve_tokenizer_dir
+
+    import torch
+
+    tok = Tokenizer(resolve_tokenizer_dir())
+
+    class Spell:  # accepts anything, terminates after n tokens
+        def __init__(self, n):
+            self.n = n
+
+        def fill_next_token_bitmask(self, bm, row):
+            pass
+
+        def accept_token(self, t):
+            self.n -= 1
+            return True
+
+        def is_terminated(self):
+            return self.n <= 0
+
+    keep = torch.full((-(-tok.vocab_size // 32),), -1, dtype=torch.int32)
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    for text, schema_, error in (('[1,2]', schema, None), ('[1,1]', schema, "does not match the schema"),
+                                 ('[1,', schema, "not valid JSON"), ('{"a":1}', None, None),
+                                 ('[1]', None, "not a JSON object")):
+        ids = tok.encode(text)
+        c = SafeConstraint(JsonGuard(Spell(len(ids)), keep, tok, schema_))
+        for t in ids:
+            assert c.accept_token(t)
+        assert c.is_terminated()
+        assert (c.error is None) if error is None else (c.failed and error in c.error), (text, c.error)
+
+
+def test_json_schema_keywords_xgrammar_ignores(server):
+    """xgrammar 0.2.9 does not enforce uniqueItems (nor multipleOf): an answer that breaks
+    them is an error naming the schema, never a silent "stop"."""
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2}, "uniqueItems": True,
+              "minItems": 2, "maxItems": 3}
+    with httpx.Client(base_url=server, timeout=60) as c:
+        for seed in range(6):
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 20, "temperature": 1.0,
+                                                "seed": seed, "response_format": {
+                                                    "type": "json_schema", "json_schema": {"schema": schema}}})
+            if r.status_code == 200:
+                ch = r.json()["choices"][0]
+                assert ch["finish_reason"] == "stop", ch
+                jsonschema.validate(json.loads(ch["text"]), schema)
+            else:
+                assert r.status_code == 500 and "does not match the schema" in r.json()["error"]["message"], r.text
+
+
 def test_json_schema_strings_parse_over_many_seeds(client):
     schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 3, "maxLength": 10},
                                                "tag": {"type": "string", "maxLength": 4}},

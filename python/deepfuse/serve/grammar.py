@@ -51,14 +51,20 @@ class ThinkGate:
         return self.open and self.inner.is_terminated()
 
 
-class NoControlChars:
-    """Forbids tokens whose text holds a raw control character (U+0000-U+001F) on top of a
-    compact-JSON matcher. xgrammar 0.2.9 lets strings with minLength / maxLength take raw
-    control characters, which no JSON parser accepts; compact JSON (no free whitespace)
-    has no other place for them, so the mask is exact, not just safe."""
+class JsonGuard:
+    """A compact-JSON matcher made strict: (1) tokens whose text holds a raw control character
+    (U+0000-U+001F) are masked: xgrammar 0.2.9 lets strings with minLength / maxLength take
+    them, no JSON parser accepts them, and compact JSON (no free whitespace) has no other
+    place for them, so the mask is exact; (2) the finished text is parsed and validated
+    against the schema (jsonschema, when installed): a failure raises ValueError from
+    is_terminated(), which SafeConstraint turns into the request's error, so an answer that
+    ends with "stop" always parses (and validates)."""
 
-    def __init__(self, inner, keep):
+    def __init__(self, inner, keep, tokenizer, schema):
         self.inner, self.keep = inner, keep  # keep: int32 [ceil(V / 32)], bit 0 for control tokens
+        self.tok, self.schema = tokenizer, schema  # schema None: any JSON object
+        self.ids: list = []
+        self.checked = False
 
     def fill_next_token_bitmask(self, bitmask, row):
         self.inner.fill_next_token_bitmask(bitmask, row)
@@ -66,10 +72,39 @@ class NoControlChars:
         bitmask[row, :n] &= self.keep[:n].to(bitmask.device)
 
     def accept_token(self, token_id: int) -> bool:
-        return self.inner.accept_token(token_id)
+        ok = self.inner.accept_token(token_id)
+        if ok:
+            self.ids.append(token_id)
+        return ok
 
     def is_terminated(self) -> bool:
-        return self.inner.is_terminated()
+        done = self.inner.is_terminated()
+        if done and not self.checked:
+            self.checked = True
+            check_json(self.tok.decode(self.ids, skip_special_tokens=True), self.schema)
+        return done
+
+
+def check_json(text: str, schema) -> None:
+    """ValueError unless text is a JSON value that schema accepts (schema None: an object)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"the constrained output is not valid JSON ({e}): {text[:200]!r}") from None
+    if schema is None:
+        if not isinstance(value, dict):
+            raise ValueError(f"the constrained output is not a JSON object: {text[:200]!r}")
+        return
+    try:
+        import jsonschema
+    except ImportError:  # parsing is checked; validation needs jsonschema
+        return
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as e:
+        raise ValueError(f"the constrained output does not match the schema ({e.message}): {text[:200]!r}") from None
+    except jsonschema.SchemaError:
+        pass
 
 
 class SafeConstraint:
@@ -200,14 +235,14 @@ class Grammars:
                                "tools" if kind.startswith("tool") else "response_format") from None
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
-    def matcher(self, compiled, *, gate_thinking: bool = False, json_text: bool = False):
+    def matcher(self, compiled, *, gate_thinking: bool = False, json_schema=None, json_text: bool = False):
         """A fresh per-request constraint for Engine.add_request (json_text: compact JSON,
-        raw control characters masked)."""
+        guarded by JsonGuard against json_schema, None: any object)."""
         import xgrammar as xgr
 
         m = xgr.GrammarMatcher(compiled)
         if json_text:
-            m = NoControlChars(m, self.no_control_mask())
+            m = JsonGuard(m, self.no_control_mask(), self.tok, json_schema)
         if gate_thinking and self.think_end_id is not None:
             m = ThinkGate(m, self.think_end_id)
         return SafeConstraint(m)
@@ -229,7 +264,10 @@ def constraint_for(grammars: Optional[Grammars], kind: Optional[str], spec, *, t
     if grammars is None or kind is None:
         return None
     compiled = grammars.compile(kind, spec, thinking=thinking, **kw)
-    return grammars.matcher(compiled, gate_thinking=thinking and not kind.startswith("tool"),
+    schema = None
+    if kind == "json_schema":
+        schema = json.loads(spec) if isinstance(spec, str) else spec
+    return grammars.matcher(compiled, gate_thinking=thinking and not kind.startswith("tool"), json_schema=schema,
                             json_text=kind in ("json_schema", "json_object"))
 
 
