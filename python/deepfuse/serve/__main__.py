@@ -58,7 +58,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int_in(0, 8), default=0, help="MTP drafts per step (0: off)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling with the GPU (default: on for CUDA)")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel size: one process per GPU (rank r on cuda:r)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor parallel size: one process per GPU (rank r on cuda:r)")
     p.add_argument("--expert-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="with --tp > 1: split the routed experts over the ranks (else split inside each expert)")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
