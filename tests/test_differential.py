@@ -50,9 +50,9 @@ ORACLE_TOL = 1e-4        # relative error of our full forward against transforme
 YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 MAX_LEN = 512
 
-STATS = {"pairs": 0, "tokens": 0, "near_ties": 0, "rows": 0, "max_logits_err": 0.0, "preemptions": 0,
+STATS = {"pairs": 0, "tokens": 0, "near_ties": 0, "rows": 0, "drafts": 0, "max_logits_err": 0.0, "preemptions": 0,
          "prefix_hits": 0, "verify_rows": 0, "accepted_drafts": 0}
-COUNTED = ("tokens", "near_ties", "rows", "preemptions", "prefix_hits", "verify_rows", "accepted_drafts")
+COUNTED = ("tokens", "near_ties", "rows", "drafts", "preemptions", "prefix_hits", "verify_rows", "accepted_drafts")
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -123,6 +123,7 @@ def draw_settings(rng: random.Random, cfg: dict) -> dict:
         else:
             r = dict(prefix=0, suffix=_length(rng, cfg, page, hi))
         r["max_tokens"] = rng.randint(1, 12)
+        r["stop"] = [rng.randrange(cfg["vocab_size"]) for _ in range(3)] if rng.random() < 0.25 else []
         r["arrival"] = 0 if i == 0 or rng.random() < 0.6 else rng.randint(1, 30)
         reqs.append(r)
     k = rng.choice([0, 1, 2, 3]) if cfg["num_nextn_predict_layers"] else 0
@@ -201,6 +202,10 @@ def run_pair(model, cfg: dict, st: dict, seed: int) -> tuple[list[str], dict]:
     eng = llm.engine
     rows: list = []
     _capture(eng, rows)
+    drafts: list = []  # (request id, position of the first draft, first draft)
+    if eng.spec is not None:
+        eng.spec.force_drafts = lambda req, ds: drafts.append((req.request_id, req.num_tokens, ds[0])) or ds if ds \
+            else ds
     order = sorted(range(len(prompts)), key=lambda i: st["requests"][i]["arrival"])
     got = {i: [] for i in range(len(prompts))}
     reasons = {}
@@ -210,8 +215,9 @@ def run_pair(model, cfg: dict, st: dict, seed: int) -> tuple[list[str], dict]:
             step = max(step, st["requests"][order[0]]["arrival"])
         while order and st["requests"][order[0]]["arrival"] <= step:
             i = order.pop(0)
-            eng.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=st["requests"][i]["max_tokens"],
-                                                                ignore_eos=True))
+            r = st["requests"][i]
+            eng.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True,
+                                                                stop_token_ids=r.get("stop", [])))
         for o in eng.step():
             i = int(o.request_id[1:])
             got[i].extend(o.token_ids)
@@ -221,19 +227,36 @@ def run_pair(model, cfg: dict, st: dict, seed: int) -> tuple[list[str], dict]:
         if step > 5000:
             return [f"no progress after {step} steps"], {}
     fails = []
-    counts = {"tokens": 0, "near_ties": 0, "rows": 0, "max_logits_err": 0.0}
+    counts = {"tokens": 0, "near_ties": 0, "rows": 0, "max_logits_err": 0.0, "drafts": 0}
     by_req: dict[str, list] = {}
     for rid, start, ids, lg in rows:
         by_req.setdefault(rid, []).append((start, ids, lg))
     for i, p in enumerate(prompts):
-        out, want = got[i], st["requests"][i]["max_tokens"]
-        if reasons.get(i) != "length" or len(out) != want:
-            fails.append(f"r{i}: finished {reasons.get(i)!r} with {len(out)} tokens, expected 'length' after {want}")
+        out, want, stop = got[i], st["requests"][i]["max_tokens"], st["requests"][i].get("stop", [])
+        first = next((j + 1 for j, t in enumerate(out) if t in stop), None)
+        if out and first == len(out) and reasons.get(i) == "stop":
+            pass
+        elif reasons.get(i) != "length" or len(out) != want or first is not None:
+            fails.append(f"r{i}: finished {reasons.get(i)!r} with {len(out)} tokens {out}, expected 'length' after "
+                         f"{want} or 'stop' at the first of {stop}")
             continue
         seq = p + out
-        with torch.no_grad():
-            full = model(torch.tensor([seq]))[0]
         P = len(p)
+        with torch.no_grad():
+            full, streams = model(torch.tensor([seq]), return_streams=True)
+            full = full[0]
+            mine = [(n, d) for rid, n, d in drafts if rid == f"r{i}"]
+            if mine:  # MTP logits at t (token t + 2) from the main streams at t and token t + 1
+                mtp = model.mtp_forward(streams[:, :-1], torch.tensor([seq[1:]]))[0][0]
+        for n, d in mine:  # the first draft is the MTP layer's own full-forward argmax
+            row = mtp[n - 2]
+            top = int(row.argmax())
+            counts["drafts"] += 1
+            m = float(row[top])
+            if d != top and float(row[d]) < m - NEAR_TIE * max(1.0, abs(m)):
+                fails.append(f"r{i} (prompt {P} tokens): first draft for position {n} is {d}, the MTP layer's full "
+                             f"forward argmax is {top} ({float(row[d]):.6f} vs {m:.6f})")
+                break
         for j, tok in enumerate(out):
             row = full[P - 1 + j]
             top = int(row.argmax())
@@ -395,3 +418,24 @@ def test_tied_indexer_scores_do_not_depend_on_chunking(tmp_path, monkeypatch):
         fails, counts = run_pair(model, TIED, st, 0) if budget == 37 else ([], {})
         assert not fails, fails
     assert outs[37] == outs[4096]
+
+
+MTP_PREFIX = dict(TIED, num_hidden_layers=2, layer_types=[HCA, SWA], mlp_layer_types=["hash_moe", "moe"],
+                  compress_ratios=[128, 0, 4], num_nextn_predict_layers=1, hidden_size=64, vocab_size=256,
+                  num_attention_heads=4, o_groups=1, sliding_window=100, n_routed_experts=4, num_experts_per_tok=1,
+                  index_n_heads=3, index_head_dim=8, index_topk=2)
+
+
+def test_prefix_snapshots_hold_the_mtp_layer_state(tmp_path):
+    """Prefix snapshots (prompt checkpoints, finished requests) were taken before the MTP
+    layer ran over the step's positions, so a request restored from one drafted from stale
+    MTP window rows and compressor states: outputs stayed right (greedy verification), the
+    first drafts did not equal the MTP layer's full forward. The engine now drafts first."""
+    model = build(MTP_PREFIX, tmp_path / "ckpt", seed=648078961)
+    reqs = [dict(prefix=100, suffix=s, max_tokens=8, arrival=a, stop=[]) for s, a in ((0, 0), (2, 0), (10, 20), (37, 40))]
+    reqs.append(dict(reqs[0], same_as=0, arrival=60))
+    st = dict(max_num_batched_tokens=4096, page_size=64, max_num_seqs=8, enable_prefix_caching=True,
+              num_speculative_tokens=2, overlap=False, cuda_graphs=False, prefix_checkpoint=32, requests=reqs)
+    fails, counts = run_pair(model, MTP_PREFIX, st, 27175079)
+    assert not fails, fails
+    assert counts["prefix_hits"] >= 2 and counts["drafts"] >= 10, counts

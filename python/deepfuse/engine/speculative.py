@@ -231,7 +231,7 @@ class SpecDecoder:
             slots.append(req.cache.slot)
             rows.extend(range(int(cu[i]), int(cu[i]) + n))
             want = 0
-            if req.num_computed == req.num_tokens - 1 and req.constraint is None:
+            if req.num_computed == req.num_tokens - 1 and req.constraint is None and req.finish_reason is None:
                 left = req.params.max_tokens - len(req.output_token_ids)
                 want = budget_ok(req, min(self.k, left - 1))
             kr.append(want)
