@@ -10,8 +10,9 @@ import torch
 
 from deepfuse.ops import reference_calls
 
-from .cache import CacheManager, default_total_tokens
+from .cache import KV_DTYPES, CacheManager
 from .graph_runner import GraphRunner
+from .memory import finish_plan, plan_memory, resolve_kv_dtype
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, SamplingParams
 from .prefix_cache import PrefixCache
@@ -21,7 +22,8 @@ from .speculative import Emission, SpecDecoder
 
 @dataclass(frozen=True)
 class EngineConfig:
-    kv_dtype: str = "auto"
+    kv_dtype: Optional[str] = None           # "auto" / "fp8" / "bf16"; None: fp8 on CUDA (bf16 V4 models), else auto
+    gpu_memory_utilization: float = 0.9      # CUDA: fraction of the device's total memory this engine may use
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_total_tokens: Optional[int] = None
@@ -52,6 +54,11 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"deepfuse: {name} must be None or an int >= 1, got {v!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"deepfuse: kv_dtype must be None or one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"deepfuse: gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         return self
 
 
@@ -79,31 +86,27 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         eos = cfg.eos_token_id
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, cfg, model.device, model.dtype)
+        use_graphs = config.cuda_graphs if config.cuda_graphs is not None else model.device.type == "cuda"
+        use_graphs = use_graphs and type(self) is Engine
+        # the memory plan (engine/memory.py): measured on CUDA, then the caches are sized from it
+        par = getattr(model, "parallel", None)
         max_len = config.max_model_len or cfg.max_position_embeddings
-        total = config.max_total_tokens or default_total_tokens(cfg, config.kv_dtype, model.dtype, model.device,
-                                                                config.max_num_seqs, max_len)
-        self.max_model_len = min(max_len, total)
-        self.cache = CacheManager(cfg, model_dtype=model.dtype, device=model.device, kv_dtype=config.kv_dtype,
-                                  max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=config.max_num_batched_tokens, max_total_tokens=total,
-                                  max_model_len=self.max_model_len, page_size=config.page_size,
-                                  num_draft_tokens=config.num_speculative_tokens,
-                                  num_mtp_layers=1 if config.num_speculative_tokens else 0,
-                                  num_saved_prefixes=config.prefix_cache_entries if config.enable_prefix_caching else 0)
+        self.memory_plan = plan_memory(model, config, self.kv_dtype, max_len, self._new_cache,
+                                       self._new_graphs if use_graphs else None,
+                                       measure=type(self) is Engine and (par is None or par.world_size == 1))
+        self.max_model_len = self.memory_plan.max_model_len
+        self.cache = self._new_cache(self.memory_plan.max_total_tokens, self.max_model_len)
         self.prefix = None
         if config.enable_prefix_caching:
             self.prefix = PrefixCache(self.cache, block=64,
                                       checkpoint=config.prefix_checkpoint)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.prefix)
-        graphs = None
-        use_graphs = config.cuda_graphs if config.cuda_graphs is not None else model.device.type == "cuda"
-        if use_graphs and type(self) is Engine:
-            k = config.num_speculative_tokens
-            graphs = GraphRunner(model, self.cache, max_reqs=config.max_num_seqs, tokens=(1, k + 1) if k else (1,),
-                                 return_streams=bool(k))
+        graphs = self._new_graphs(self.cache) if use_graphs else None
         self.runner = ModelRunner(model, self.cache, graphs)
         # captured at start-up on CUDA (seconds, reported here); on the CPU padded steps run eagerly
         self.graph_capture_s = graphs.capture_all() if graphs is not None and graphs.capture else 0.0
+        finish_plan(self.memory_plan, self.cache, graphs, self.graph_capture_s)
         self.spec = None
         if config.num_speculative_tokens:
             self.spec = SpecDecoder(model, self.cache, self.runner, config.num_speculative_tokens,
@@ -118,6 +121,20 @@ class Engine:
         self.num_steps = 0
         self.step_times: list[float] = []      # wall time per step (host-synchronised by the token read)
         self.prepare_times: list[float] = []   # host time per step in scheduling + context building
+
+    def _new_cache(self, total: int, max_len: int) -> CacheManager:
+        c = self.config
+        return CacheManager(self.model.cfg, model_dtype=self.model.dtype, device=self.model.device,
+                            kv_dtype=self.kv_dtype, max_num_seqs=c.max_num_seqs,
+                            max_num_batched_tokens=c.max_num_batched_tokens, max_total_tokens=total,
+                            max_model_len=max_len, page_size=c.page_size, num_draft_tokens=c.num_speculative_tokens,
+                            num_mtp_layers=1 if c.num_speculative_tokens else 0,
+                            num_saved_prefixes=c.prefix_cache_entries if c.enable_prefix_caching else 0)
+
+    def _new_graphs(self, cache: CacheManager) -> GraphRunner:
+        k = self.config.num_speculative_tokens
+        return GraphRunner(self.model, cache, max_reqs=self.config.max_num_seqs, tokens=(1, k + 1) if k else (1,),
+                           return_streams=bool(k))
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_token_ids, params: Optional[SamplingParams]) -> tuple[list[int], SamplingParams]:
@@ -416,6 +433,8 @@ class Engine:
             "pages_in_use": c.pages_in_use(),
             "cache_bytes": c.nbytes(),
             "kv_dtype": c.kv_dtype,
+            "max_model_len": self.max_model_len,
+            "memory_plan": self.memory_plan.as_dict(),
             "reference_calls": reference_calls(),  # torch references run on CUDA, per op (process-wide)
             **({"spec": self.spec.stats.as_dict()} if self.spec is not None else {}),
             **({"prefix_cache": self.prefix.stats()} if self.prefix is not None else {}),
