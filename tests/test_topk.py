@@ -61,6 +61,13 @@ def make_input(kind: str, B: int, N: int, dtype, device, gen: torch.Generator) -
         x = torch.relu(rn(B, N)) * 0.1 + torch.relu(rn(B, N))
     elif kind == "ties":  # heavy ties: 5 distinct values
         x = torch.randint(-2, 3, (B, N), generator=gen, device=device).float()
+    elif kind == "relu":  # an indexer with few heads: ~half the scores exactly 0
+        x = torch.relu(rn(B, N))
+    elif kind == "zeros":  # 90% zeros of both signs (equal values): ties at any k
+        x = rn(B, N).abs() + 0.5
+        u = ru(B, N)
+        x = torch.where(u < 0.9, torch.zeros_like(x), x)
+        x = torch.where(u < 0.45, -torch.zeros_like(x), x)
     elif kind == "allsame":
         x = torch.full((B, N), 0.75, device=device)
     elif kind == "narrow":  # one binade: few distinct bf16/fp16 values, deep radix levels
@@ -419,7 +426,7 @@ def test_compile_fullgraph_cpu():
 
 
 # ----------------------------------------------------------------------------- GPU
-KINDS = ["randn", "scores", "ties", "special", "narrow", "ramp", "allsame"]
+KINDS = ["randn", "scores", "ties", "special", "narrow", "ramp", "allsame", "relu"]
 
 
 def _grid_cases(N: int):
@@ -621,6 +628,56 @@ def test_gpu_agrees_with_cpu_reference():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_gpu_canonical_ties(dtype):
+    # Tie-heavy rows: the selection (sorted: the sequence) is exactly the canonical one (check)
+    # on the short-row kernel (1, 2 and 4 vectors per thread), the general kernel (clusters,
+    # the 512-thread ring with per-warp segments, 256-thread CTAs) and its fallback with
+    # compactions (allsame; odd N: unaligned heads and tails hold tied values).
+    nmax = 16384 if dtype != torch.float32 else 8192
+    short = [(3, nmax, 4096), (7, nmax, 512), (200, nmax, 2048), (200, nmax // 2, 1000), (600, 2048, 50),
+             (5, 1000, 999)]
+    general = [(1, 131072, 2048), (4, 40000, 4096), (300, 30000, 512), (16, 70001, 1024), (100, 100003, 1024),
+               (2, 1_000_003, 4096), (3, 9001, 3000)]
+    plans = set()
+    for j, (B, N, k) in enumerate(short + general):
+        plans.add(plan_of(dtype, B, N, k))
+        for kind in ("relu", "zeros", "ties", "allsame"):
+            run_case(dtype, B, N, k, kind=kind, use_lengths=j % 2 == 0, sorted_=(j + len(kind)) % 3 == 0, seed=j)
+    assert {p.split(",")[0] for p in plans} == {"plan(short-row", "plan(general"} and len(plans) >= 6, plans
+
+
+@pytest.mark.gpu
+def test_gpu_selection_independent_of_batch():
+    # The same rows alone, in batches of other sizes (other plans) and through the CPU
+    # reference: the same index sets.
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    for dtype in DTYPES:
+        for N, k in [(8192, 2048), (40000, 2048), (131072, 512)]:
+            x = make_input("relu", 300, N, dtype, "cuda", gen)
+            full = ops.topk(x, k, return_values=False).long().sort(1).values
+            for rows in ([5], list(range(64)), list(range(100, 300, 7))):
+                got = ops.topk(x[rows], k, return_values=False).long().sort(1).values
+                assert torch.equal(got, full[rows]), (dtype, N, k, len(rows))
+            ri = T.topk_ref(x[:8].cpu(), k)[1].long().sort(1).values
+            assert torch.equal(ri, full[:8].cpu()), (dtype, N, k)
+
+
+@pytest.mark.gpu
+def test_gpu_topk_slots_canonical():
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    for dtype in DTYPES:
+        for B, N, k in [(64, 8192, 2048), (3, 40000, 4096), (200, 20000, 512)]:
+            x = make_input("relu", B, N, dtype, "cuda", gen)
+            L = ragged(B, N, k, "cuda", 7)
+            smap = torch.randperm(4 * (N + 5), generator=gen, device="cuda").view(4, N + 5)
+            mrows = torch.randint(0, 4, (B,), generator=gen, device="cuda")
+            s = ops.topk_slots(x, k, L, smap, mrows)
+            rs = ops.topk_slots(x.cpu(), k, L.cpu(), smap.cpu(), mrows.cpu())
+            assert torch.equal(s.sort(1).values.cpu(), rs.sort(1).values), (dtype, B, N, k)
+
+
+@pytest.mark.gpu
 def test_gpu_empty_and_tiny():
     for dtype in DTYPES:
         v, i = ops.topk(torch.empty(3, 0, dtype=dtype, device="cuda"), 5)
@@ -708,6 +765,13 @@ def test_sanitize_small(dtype):
     run_case(dtype, 5, 8192, 512, kind="ties", use_lengths=True, sorted_=True, seed=9)
     run_case(dtype, 3, 8192, 4096, kind="special", use_lengths=True, seed=10)
     run_case(dtype, 4, 1000, 100, kind="randn", return_values=False, index_dtype=torch.int64, seed=11)
+    # canonical ties: the short-row kernel's index-order scan (2 vectors per thread), the
+    # general kernel's index select (a cluster; 256 threads), the fallback's ordered tail
+    nmax = 16384 if dtype != torch.float32 else 8192
+    run_case(dtype, 3, nmax, 2048, kind="zeros", sorted_=True, seed=14)
+    run_case(dtype, 2, 40000, 4096, kind="relu", use_lengths=True, seed=15)
+    run_case(dtype, 140, 3001, 512, kind="zeros", seed=16)
+    run_case(dtype, 2, 30001, 700, kind="allsame", sorted_=True, seed=17)
     # the fallback's sampled retry and its stream from 0 (testing hook: the sampled threshold
     # too high): a cluster, one CTA
     ext = _ext.ext(torch.device("cuda"))

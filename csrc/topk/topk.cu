@@ -47,13 +47,20 @@
 //            one level resolves any range of < 2048 keys (bf16 candidates usually), at most
 //            three for fp32. Bucket search: the warps sum 16 rows of 128 bins, warp 0
 //            scans rows then bins (find_bucket).
+//   ties     (only when more keys equal the K-th, T, than the krem slots left for them):
+//            the same select over the index instead of the key, among the entries == T
+//            (L - 1 - index: the krem lowest indices win; 1 level for L <= 2048, 2 up to
+//            4M), so the selection is the canonical one whatever the buffer's order.
 //   output   one block scan of packed (above, equal) counts gives every thread (contiguous
 //            buffer: a run of entries each) or warp (segments: ballots rank the lanes) its
-//            slots: keys above the K-th to [0, K - krem), the first krem equal to it after
+//            slots: keys above the K-th to [0, K - krem), the krem chosen equal to it after
 //            them. sorted: (key, index) pairs are bitonic-
 //            sorted in shared memory first. Rows shorter than k are padded (index -1, -inf).
 // Invariants: every dropped element has key <= thr; every buffered key is >= thr; after a
-// compaction the buffer holds >= K keys >= thr (a valid top-K of what was read).
+// compaction the buffer holds >= K keys >= thr (a valid top-K of what was read). Canonical
+// ties through compactions: the robust stream appends in ascending index order (head,
+// rounds, then the tail), a compaction keeps the lowest indices among keys == its T, so an
+// element dropped later with key == T (<= thr) has a higher index than the K kept.
 // L <= k: every element is selected and goes to the slot equal to its index (rank 0).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -101,8 +108,8 @@ __device__ unsigned long long g_topk_probe[4096][32];
 #endif
 
 // The value t of key thr + 1, clamped to [-inf, +inf]: key(x) > thr implies !(x < t) (NaN
-// included). For thr < key(+inf) the converse holds too, except for x = -0.0 when
-// thr = key(-0.0) (then key(x) == thr: a harmless extra candidate).
+// included). For thr < key(+inf) the converse holds too (-0.0 and +0.0 share a key, and
+// compare equal as floats).
 template <class F>
 __device__ __forceinline__ float thr_float(uint32_t thr) {
   const uint32_t t1 = thr >= F::kKeyPosInf ? F::kKeyPosInf : max(thr + 1u, F::kKeyNegInf);
@@ -273,12 +280,15 @@ __device__ __forceinline__ void find_bucket(Shared& sh, uint32_t* H, uint32_t kr
 }
 
 // Result of a select over the buffer: whole: the keys >= T are selected; else the keys > T
-// and `krem` of those equal to T (T is the K-th largest key).
+// and the krem of those equal to T with index <= imax (T is the K-th largest key).
 struct Sel {
   uint32_t T, krem;
   bool whole, ok;
+  uint32_t imax = 0;
   __device__ __forceinline__ bool gt(uint32_t key) const { return whole ? key >= T : key > T; }
+  // An entry == T (not whole): selected when take(its index).
   __device__ __forceinline__ bool eq(uint32_t key) const { return !whole && key == T; }
+  __device__ __forceinline__ bool take(uint32_t idx) const { return idx <= imax; }
 };
 
 struct Compacted {
@@ -288,7 +298,7 @@ struct Compacted {
 
 template <int FMT, int NT, int U, bool Ring>
 __device__ __noinline__ Compacted compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap, uint32_t kk,
-                                                 uint32_t thr, uint32_t cnt, uint32_t mx, int ph);
+                                                 uint32_t thr, uint32_t cnt, uint32_t mx, int ph, uint32_t len);
 
 template <int FMT, int NT, int U, bool Ring>
 struct Ctx {
@@ -461,12 +471,15 @@ struct Ctx {
     for (uint32_t c = warp * 32; c < lay.pooln; c += NT) f(lay.pool0 + c + lane, c + lane < lay.pooln);
   }
 
-  // Select of the `need` largest keys >= lo of this CTA's candidates `lay`; every key is <= hi.
-  // Each level histograms (key - base) >> shift over the current range [base, base + span]
-  // (shift: the range fits 2048 bins), so one level resolves any range of < 2048 keys (bf16
-  // candidates usually) and the bins follow the candidates, not fixed digits. ok = false if
-  // fewer than `need` keys are >= lo. Uses and clears sh.hist.
-  __device__ __forceinline__ Sel select(const Layout& lay, uint32_t lo, uint32_t hi, uint32_t need) {
+  // Select of the `need` largest keys >= lo of this CTA's candidates `lay`; every key is <= hi;
+  // the key of entry i is keyof(i). Each level histograms (key - base) >> shift over the
+  // current range [base, base + span] (shift: the range fits 2048 bins), so one level
+  // resolves any range of < 2048 keys (bf16 candidates usually) and the bins follow the
+  // candidates, not fixed digits. ok = false if fewer than `need` keys are >= lo. Uses and
+  // clears sh.hist.
+  template <class KeyOf>
+  __device__ __forceinline__ Sel select_keys(const Layout& lay, uint32_t lo, uint32_t hi, uint32_t need,
+                                             KeyOf&& keyof) {
     uint32_t base = lo, span = hi >= lo ? hi - lo : 0u, krem = need;
 #pragma unroll 1
     for (int level = 0;; ++level) {
@@ -474,7 +487,7 @@ struct Ctx {
       uint32_t* h = sh.hist[(level + 1) & 1];  // level 0: hist[1] (clear), level 1: hist[0], ...
       for_chunks(lay, [&](uint32_t i, bool ok) {
         if (ok) {
-          const uint32_t d = F::key(craw[i]) - base;
+          const uint32_t d = keyof(i) - base;
           if (d <= span) atomicAdd(h + (d >> shift), 1u);
         }
       });
@@ -493,6 +506,22 @@ struct Ctx {
     }
   }
 
+  // The canonical select of the `need` largest keys >= lo (see select_keys) in a row of len
+  // elements: when more keys equal the K-th, T, than the krem slots left for them, the krem
+  // lowest indices among them win: a select of the krem largest len - 1 - index over the
+  // entries == T (indices are unique, so it ends whole: those with index <= imax).
+  __device__ __forceinline__ Sel select(const Layout& lay, uint32_t lo, uint32_t hi, uint32_t need, uint32_t len) {
+    Sel s = select_keys(lay, lo, hi, need, [&](uint32_t i) { return F::key(craw[i]); });
+    if (!s.ok || s.whole) return s;
+    __syncthreads();  // find_bucket's clearing of sh.hist is done
+    const uint32_t T = s.T, top = len - 1u;
+    const Sel r = select_keys(lay, 0u, top, s.krem, [&](uint32_t i) {
+      return F::key(craw[i]) == T ? top - cidx[i] : 0xFFFFFFFFu;  // not == T: outside [0, top]
+    });
+    s.imax = top - r.T;
+    return s;
+  }
+
   // Keeps exactly the selection s of buffer[0, n) at its front, in place: each NT-entry
   // chunk is read, ranked (block scans) and written below its end.
   __device__ void compact_pass(uint32_t n, const Sel& s) {
@@ -508,7 +537,7 @@ struct Ctx {
         idx = cidx[i];
         const uint32_t key = F::key(raw);
         gt = s.gt(key);
-        eq = s.eq(key);
+        eq = s.eq(key) && s.take(idx);
       }
       const uint32_t qm = __ballot_sync(kFull, eq);
       if (lane == 0) sh.wa[ph][warp] = __popc(qm);
@@ -534,10 +563,10 @@ struct Ctx {
 
   // Robust path, the buffer [0, cnt) (cnt > K) cannot take the next append: keep its K
   // largest keys and raise thr. Block-collective.
-  __device__ __forceinline__ uint32_t compact_now() {
+  __device__ __forceinline__ uint32_t compact_now(uint32_t len) {
     TOPK_PROBE_ADD(8);
     const uint32_t lo = thr;
-    const Sel s = select(Layout{0u, 0u, 0u, cnt}, lo, mx, kk);  // cnt > K keys >= lo: cannot fail
+    const Sel s = select(Layout{0u, 0u, 0u, cnt}, lo, mx, kk, len);  // cnt > K keys >= lo: cannot fail
     compact_pass(cnt, s);
     __syncthreads();
     return s.T;  // the K kept keys are >= T >= lo
@@ -598,7 +627,8 @@ struct Ctx {
 
   // G = 1: the next append does not fit. Compacts the buffer to K entries and raises thr.
   __device__ __forceinline__ void compact() {
-    const Compacted cp = compact_buffer<FMT, NT, U, Ring>(sh, craw, cidx, cap, kk, thr, cnt, mx, ph);
+    const Compacted cp = compact_buffer<FMT, NT, U, Ring>(sh, craw, cidx, cap, kk, thr, cnt, mx, ph,
+                                                          static_cast<uint32_t>(c.hi));  // G = 1: c.hi = L
     set_thr(cp.thr);
     ph = cp.ph;
     cnt = kk;
@@ -744,9 +774,12 @@ struct Ctx {
     } else {
       load(A, 0, n_in);
     }
-    uint4 ev = make_uint4(0u, 0u, 0u, 0u);  // the two edge slots (lanes 0 and 1 of warp 0)
+    // The two edge slots (lanes 0 and 1 of warp 0). Robust: the head only; the tail after the
+    // rounds (appends in index order: see the invariants above).
+    constexpr int kEdges = Robust ? 1 : 2;
+    uint4 ev = make_uint4(0u, 0u, 0u, 0u);
     const int es = tid == 0 ? 0 : c.nslots - 1;
-    if (tid < 2) ev = c.load_edge(es);
+    if (tid < kEdges) ev = c.load_edge(es);
     if (!sample) {
       set_thr(thr0);
     } else {
@@ -763,7 +796,7 @@ struct Ctx {
       const uint4 v1[1] = {ev};
       const int e1[1] = {c.seg0 + es * VEC};
       uint32_t m1[1] = {0u};
-      if (tid < 2) {
+      if (tid < kEdges) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i)
           m1[0] |= static_cast<uint32_t>(c.in(e1[0] + i) && F::key(elem<VEC>(ev, i)) > thr) << i;
@@ -800,6 +833,21 @@ struct Ctx {
       }
     }
     if constexpr (Robust) {
+      if (c.hi > c.seg0 + (c.nslots - 1) * VEC) {  // uniform: the tail
+        const int e1[1] = {c.seg0 + (c.nslots - 1) * VEC};
+        const uint4 v1[1] = {tid == 0 ? c.load_edge(c.nslots - 1) : make_uint4(0u, 0u, 0u, 0u)};
+#pragma unroll 1
+        for (;;) {
+          uint32_t m1[1] = {0u};
+          if (tid == 0) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i)
+              m1[0] |= static_cast<uint32_t>(c.in(e1[0] + i) && F::key(elem<VEC>(v1[0], i)) > thr) << i;
+          }
+          if (append<1>(v1, e1, m1)) break;
+          compact();  // the buffer holds > K (C >= 2K + 2048): then <= VEC entries fit
+        }
+      }
       if (tid == 0) {
         sh.cnt = cnt;
         sh.mx = mx;
@@ -821,7 +869,7 @@ struct Ctx {
     uint32_t mine = 0;
     for (uint32_t i = i0; i < i1; ++i) {
       const uint32_t key = F::key(craw[i]);
-      mine += (s.gt(key) ? 0x10000u : 0u) + (s.eq(key) ? 1u : 0u);
+      mine += (s.gt(key) ? 0x10000u : 0u) + (s.eq(key) && s.take(cidx[i]) ? 1u : 0u);
     }
     uint32_t incl = mine;
 #pragma unroll
@@ -839,7 +887,7 @@ struct Ctx {
       const uint32_t raw = craw[i], key = F::key(raw);
       if (s.gt(key)) {
         o.emit(gp++, static_cast<int>(cidx[i]), raw, key);
-      } else if (s.eq(key)) {
+      } else if (s.eq(key) && s.take(cidx[i])) {
         if (ep < s.krem) o.emit(above_total + ep, static_cast<int>(cidx[i]), raw, key);
         ++ep;
       }
@@ -847,7 +895,7 @@ struct Ctx {
   }
 
   // Writes the selection s of the candidates `lay`: keys above T to slots [0, K - krem), of
-  // those equal to T the first krem (in chunk order) to the slots after them. One block scan
+  // those equal to T the krem chosen (s.take) to the slots after them. One block scan
   // of each warp's packed (above << 16 | equal) counts (< C <= 2^16 each) gives every warp
   // its first slots; in each chunk ballots rank the lanes.
   __device__ void emit_pass(const Out<F>& o, const Layout& lay, const Sel& s, uint32_t above_total) {
@@ -856,7 +904,8 @@ struct Ctx {
     uint32_t mine = 0;
     for_chunks(lay, [&](uint32_t i, bool ok) {
       const uint32_t key = ok ? F::key(craw[i]) : 0u;
-      mine += (__popc(__ballot_sync(kFull, ok && s.gt(key))) << 16) + __popc(__ballot_sync(kFull, ok && s.eq(key)));
+      const bool e = ok && s.eq(key) && s.take(cidx[i]);
+      mine += (__popc(__ballot_sync(kFull, ok && s.gt(key))) << 16) + __popc(__ballot_sync(kFull, e));
     });
     if (lane == 0) sh.wa[ph][threadIdx.x >> 5] = mine;
     __syncthreads();
@@ -866,7 +915,7 @@ struct Ctx {
     uint32_t gp = excl >> 16, ep = excl & 0xFFFFu;
     for_chunks(lay, [&](uint32_t i, bool ok) {
       const uint32_t raw = ok ? craw[i] : 0u, key = F::key(raw);
-      const bool g = ok && s.gt(key), e = ok && s.eq(key);
+      const bool g = ok && s.gt(key), e = ok && s.eq(key) && s.take(cidx[i]);
       const uint32_t gb = __ballot_sync(kFull, g), eb = __ballot_sync(kFull, e);
       if (g) {
         o.emit(gp + __popc(gb & lt), static_cast<int>(cidx[i]), raw, key);
@@ -883,9 +932,9 @@ struct Ctx {
 // Out of line (runs rarely): the streaming loop keeps its registers.
 template <int FMT, int NT, int U, bool Ring>
 __device__ __noinline__ Compacted compact_buffer(Shared& sh, uint32_t* craw, uint32_t* cidx, uint32_t cap, uint32_t kk,
-                                                 uint32_t thr, uint32_t cnt, uint32_t mx, int ph) {
+                                                 uint32_t thr, uint32_t cnt, uint32_t mx, int ph, uint32_t len) {
   Ctx<FMT, NT, U, Ring> cx{sh, &sh, craw, cidx, craw, cidx, {}, 1, cap, kk, thr, 0.f, true, ph, cnt, mx};
-  const uint32_t t = cx.compact_now();
+  const uint32_t t = cx.compact_now(len);
   return Compacted{t, cx.ph};
 }
 
@@ -917,7 +966,7 @@ __device__ __noinline__ Refiltered refilter(Shared& sh, uint32_t* craw, uint32_t
     cx.template stream<true>(attempt == 0, overflow ? thr : 0u, L);
     __syncthreads();
     const uint32_t n = sh.cnt;
-    const Sel s = cx.select(Layout{0u, 0u, 0u, n}, cx.thr, sh.mx, kk);
+    const Sel s = cx.select(Layout{0u, 0u, 0u, n}, cx.thr, sh.mx, kk, static_cast<uint32_t>(L));
     if (s.ok || attempt > 0) return Refiltered{s, n, cx.ph, cx.g0};
   }
 }
@@ -1024,7 +1073,7 @@ __device__ __forceinline__ void topk_row(const Params& P, int64_t row, int rank,
     Sel s{0u, 0u, 0, false};
     const bool overflow = sh.fail != 0;
     Layout lay{cx.S, nseg, cx.pool0, min(sh.cnt, cx.cap - cx.pool0)};
-    if (!overflow) s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk));
+    if (!overflow) s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk), static_cast<uint32_t>(L));
     TOPK_PROBE(3, clock64());
     if (!s.ok) {
       // Rare: the cluster's buffer overflowed or fewer than K keys were above thr (see
@@ -1050,7 +1099,7 @@ __device__ __forceinline__ void topk_row(const Params& P, int64_t row, int rank,
         cx.template stream<true>(false, t, L);
         __syncthreads();
         lay = Layout{0u, 0u, 0u, sh.cnt};
-        s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk));
+        s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk), static_cast<uint32_t>(L));
       }
     }
     rounds = cx.g0;

@@ -1,5 +1,8 @@
 // Shared by the top-k kernels (topk.cu, topk_rows.cu): order-preserving keys per dtype,
 // streaming loads, element access within a 16-byte vector, output slots, a bitonic sort.
+// Keys are the op's order exactly: -0.0 gets +0.0's key (equal values, equal keys), so ties
+// (broken by the lower index: deepfuse/ops/topk.py) are ties of keys. A key of +0.0 or NaN
+// does not give back its raw bits (Fmt::raw): those are read again.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,8 +47,10 @@ struct Fmt16 {
   static constexpr int kBits = 16;
   static constexpr uint32_t kNegInf = PosInf | 0x8000u;
   static constexpr uint32_t kKeyNegInf = ~kNegInf & 0xFFFFu, kKeyPosInf = PosInf ^ 0x8000u, kKeyNaN = 0xFFFFu;
+  static constexpr uint32_t kKeyZero = 0x8000u;  // +0.0 and -0.0
   static constexpr uint32_t kNaNAbove = PosInf;  // |bits| above this: NaN
   __device__ __forceinline__ static uint32_t key(uint32_t r) {
+    r = r == 0x8000u ? 0u : r;
     const uint32_t k = r ^ ((r & 0x8000u) ? 0xFFFFu : 0x8000u);
     return (r & 0x7FFFu) > kNaNAbove ? 0xFFFFu : k;
   }
@@ -77,7 +82,9 @@ struct Fmt<2> {  // fp32
   static constexpr int kBits = 32;
   static constexpr uint32_t kNegInf = 0xFF800000u;
   static constexpr uint32_t kKeyNegInf = 0x007FFFFFu, kKeyPosInf = 0xFF800000u, kKeyNaN = 0xFFFFFFFFu;
+  static constexpr uint32_t kKeyZero = 0x80000000u;
   __device__ __forceinline__ static uint32_t key(uint32_t r) {
+    r = r == 0x80000000u ? 0u : r;
     const uint32_t k = r ^ ((r & 0x80000000u) ? 0xFFFFFFFFu : 0x80000000u);
     return (r & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFFFFFFu : k;
   }
@@ -124,6 +131,15 @@ __device__ __forceinline__ uint32_t elem_dyn(const uint4& v, int i) {
   }
 }
 
+// A sorted pair: key above, then the complemented index, so that a descending sort puts
+// equal keys in ascending index order. Every real pair is above 0 (key(-inf) > 0).
+__device__ __forceinline__ unsigned long long sort_pair(uint32_t key, int e) {
+  return (static_cast<unsigned long long>(key) << 32) | ~static_cast<uint32_t>(e);
+}
+__device__ __forceinline__ int pair_index(unsigned long long pr) {
+  return static_cast<int>(~static_cast<uint32_t>(pr));
+}
+
 template <class F>
 struct Out {
   using Raw = typename F::Raw;
@@ -135,7 +151,7 @@ struct Out {
 
   __device__ __forceinline__ void emit(uint32_t pos, int e, uint32_t raw, uint32_t key) const {
     if (sorted) {
-      sel[pos] = (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(e);
+      sel[pos] = sort_pair(key, e);
       return;
     }
     if (values) values[pos] = static_cast<Raw>(raw);
@@ -196,7 +212,7 @@ __device__ __forceinline__ void finish_row(const Out<F>& o, unsigned long long* 
   __syncthreads();
   sort_desc<NT>(sel, n);
   for (int i = tid; i < K; i += NT) {
-    const int e = static_cast<int>(static_cast<uint32_t>(sel[i]));
+    const int e = pair_index(sel[i]);
     og.emit(i, e, og.values ? __ldg(p + e) : 0u, 0u);
   }
 }

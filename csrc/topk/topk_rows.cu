@@ -10,9 +10,12 @@
 // keys: the last 5 bits; fp32: 11, then 10) walk only C's set bits: histogram, search,
 // then move C's elements above the found digit to A and drop those below. After the last
 // level C holds the keys equal to the K-th, T. A block scan of (|A|, |C|) gives every
-// thread its slots: A's elements to [0, above) in row order, the first krem = K - above
-// of C's after them (sorted: (key, index) pairs in shared memory, then a bitonic sort).
-// No candidate buffer, no fallback, no data-dependent second pass.
+// thread its slots: A's elements to [0, above) in row order, the krem = K - above of C's
+// with the lowest indices after them (sorted: (key, index) pairs in shared memory, then a
+// bitonic sort). The scan runs in thread order, which is index order for one vector per
+// thread; with V > 1 and more keys == T than krem (ties straddle the K-th: rare for float
+// data) a second scan of C's counts per vector ranks them in index order.
+// No candidate buffer, no fallback.
 // Cost (bf16 1 x 8192 k = 512, 512 threads, H200, tools/topk_probe.cu): ~8K cycles: the
 // load ~1.5K, level 1 ~1.4K (8192 shared atomics; lanes of a warp collide on the few
 // dozen bins real data fills, yet per-lane private bins measured slower), the mask pass
@@ -42,6 +45,7 @@ __device__ unsigned long long g_topk_rows_probe[4096][16];
 struct __align__(16) RowsShared {
   uint32_t h[2][kRowBins];  // level histograms (zeroed at start; fp32 level 3 reuses h[0])
   uint32_t wsum[32];        // per-warp sums of a block scan
+  unsigned long long wsum64[32];  // the same, ties in index order (V > 1)
   uint32_t res_bin, res_above;
 };
 
@@ -109,6 +113,7 @@ __device__ __forceinline__ uint4 keys(const uint4& v) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if constexpr (F::kBits == 16) {
+      w[i] ^= __vcmpeq2(w[i], 0x80008000u) & 0x80008000u;  // -0.0 -> +0.0
       const uint32_t flip = ((w[i] >> 15) & 0x00010001u) * 0x7FFFu | 0x80008000u;
       const uint32_t nan = __vcmpgtu2(w[i] & 0x7FFF7FFFu, F::kNaNAbove * 0x00010001u);
       w[i] = (w[i] ^ flip) | nan;
@@ -266,8 +271,47 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const TopkArgs P) {
   }
   if (lane == 31) sh.wsum[warp] = inc;  // the last find_bin read wsum before its 2nd barrier
   __syncthreads();
-  const uint32_t base = __reduce_add_sync(kFull, lane < warp ? sh.wsum[lane] : 0u) + inc - cnt;
+  const uint32_t ws = lane < NT / 32 ? sh.wsum[lane] : 0u;
+  const uint32_t base = __reduce_add_sync(kFull, lane < warp ? ws : 0u) + inc - cnt;
   uint32_t gpos = base >> 16, qpos = base & 0xFFFFu;
+  // Keys == T of vector j of this thread: slots from qv[j] (after the thread's earlier
+  // vectors; with V = 1 thread order is index order).
+  auto cnt_vec = [&](int j) { return static_cast<uint32_t>(__popc((C >> (j * VEC)) & ((Mask{1} << VEC) - 1u))); };
+  uint32_t qv[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) qv[j] = j ? qv[j - 1] + cnt_vec(j - 1) : qpos;
+  if constexpr (V > 1) {
+    // Block-uniform: more keys == T than slots for them (every C is empty when L <= k).
+    if ((__reduce_add_sync(kFull, ws) & 0xFFFFu) > krem) {
+      // Index order is (vector j, thread, lane): a scan of per-vector counts (16 bits each,
+      // <= NT * VEC <= 8192) in thread order; vector j's keys follow all of vectors < j.
+      unsigned long long c64 = 0;
+#pragma unroll
+      for (int j = 0; j < V; ++j) c64 |= static_cast<unsigned long long>(cnt_vec(j)) << (16 * j);
+      unsigned long long inc64 = c64;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned long long o2 = __shfl_up_sync(kFull, inc64, off);
+        if (lane >= off) inc64 += o2;
+      }
+      if (lane == 31) sh.wsum64[warp] = inc64;
+      __syncthreads();
+      unsigned long long before = 0, total = 0;
+#pragma unroll 1
+      for (int w = 0; w < NT / 32; ++w) {
+        const unsigned long long x = sh.wsum64[w];
+        before += w < warp ? x : 0ull;
+        total += x;
+      }
+      const unsigned long long excl = before + inc64 - c64;
+      uint32_t prior = 0;  // keys == T in vectors < j of every thread
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        qv[j] = prior + static_cast<uint32_t>((excl >> (16 * j)) & 0xFFFFu);
+        prior += static_cast<uint32_t>((total >> (16 * j)) & 0xFFFFu);
+      }
+    }
+  }
   ROWS_PROBE(5);
 
   Out<F> o;
@@ -278,15 +322,22 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const TopkArgs P) {
   o.map = P.slot_map ? P.slot_map + (P.map_rows ? __ldg(P.map_rows + row) : int64_t(row)) * P.map_ld : nullptr;
     o.idx64 = P.idx64 != 0;
   o.sorted = P.sorted != 0;
-  // A NaN's key drops its payload: its bits are read again.
+  // A NaN's key drops its payload, a zero's its sign: their bits are read again.
   auto put = [&](uint32_t pos, int q) {
     const uint32_t key = key_dyn(q);
     const int e = index_of(q);
-    const uint32_t raw = !o.values ? 0u : (key == F::kKeyNaN ? static_cast<uint32_t>(__ldg(p + e)) : F::raw(key));
+    const uint32_t raw = !o.values ? 0u
+                         : (key == F::kKeyNaN || key == F::kKeyZero ? static_cast<uint32_t>(__ldg(p + e))
+                                                                     : F::raw(key));
     o.emit(pos, e, raw, key);
   };
   for (Mask m = A; m; m &= m - 1) put(gpos++, ctz(m));
-  for (Mask m = C; m && qpos < krem; m &= m - 1) put(above + qpos++, ctz(m));
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    uint32_t pos = qv[j];
+    for (Mask m = (C >> (j * VEC)) & ((Mask{1} << VEC) - 1u); m && pos < krem; m &= m - 1)
+      put(above + pos++, j * VEC + ctz(m));
+  }
   ROWS_PROBE(6);
   finish_row<F, NT>(o, sel, p, K, P.k);
 }
