@@ -1,6 +1,6 @@
 """Row-wise top-k: time, input bandwidth vs the copy ceiling, speedup over torch.topk.
 
-python -m microbench.bench_topk --out DIR [--quick]
+python -m microbench.bench_topk --out DIR [--quick] [--kind randn|relu]
 
 Grid (issue 3): indexer shapes (bf16, k 512/1024/2048, B 1..512, N 8K/32K/128K), sampling
 (fp32 [B, 129280], k 50/512) and the fp32 indexer-score shapes of the ceilings doc.
@@ -15,6 +15,8 @@ timed the same way), `x_copy` = us / copy_us. Small shapes are launch and latenc
 there the copy (one launch, one pass) is a floor for any kernel that reads x, and a top-k
 also waits for its whole row before it decides. Large shapes are bandwidth bound: the copy
 moves twice the bytes a top-k reads, so a top-k can take less (x_copy < 1).
+--kind relu: relu(randn), half the scores exactly 0 (an indexer with few heads): ties at
+the K-th value, which the kernel resolves by index (the lower index wins).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kind", choices=("randn", "relu"), default="randn")
     a = ap.parse_args(argv)
     ctx = H.Context.create()
     print(ctx.header())
@@ -59,6 +62,8 @@ def main(argv=None):
     rows = []
     for suite, dtype, B, N, k, target in grid(a.quick):
         x = torch.randn(B, N, device="cuda", dtype=dtype)
+        if a.kind == "relu":
+            x = torch.relu(x)
         idx = torch.empty(B, k, dtype=torch.int32, device="cuda")
         fn = lambda: ops.topk(x, k)  # noqa: E731
         t = H.time_fn(fn)
