@@ -97,7 +97,8 @@ def test_plan_with_a_fake_cuda_memory_source(tiny, monkeypatch):
 
     L = 1 << 20
     monkeypatch.setattr(M, "_settle", lambda dev: GiB)  # torch's reserved memory once probes are freed
-    monkeypatch.setattr(M, "profile_step", lambda model, cache, **kw: calls.setdefault("profile", (cache, kw)) and GiB // 4)
+    monkeypatch.setattr(M, "profile_step",
+                        lambda model, cache, **kw: calls.setdefault("profile", (cache, kw)) and GiB // 4)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2 * GiB, 4 * GiB))
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, gpu_memory_utilization=0.75).validate()
     msg = (r"not enough device memory for the caches: gpu_memory_utilization 0.75 x 4.00 GiB less weights 1.00, "
