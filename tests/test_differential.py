@@ -132,6 +132,7 @@ def draw_settings(rng: random.Random, cfg: dict) -> dict:
               cuda_graphs=rng.random() < 0.3, requests=reqs)
     if prefix:
         st["prefix_checkpoint"] = rng.choice([16, 32, 64, 1024])
+        st["prefix_cache_entries"] = rng.choice([1, 2, 64])  # few entries: eviction
     if rng.random() < 0.35:  # a token budget that forces queueing and preemption
         longest = max(r["prefix"] + r["suffix"] + r["max_tokens"] for r in reqs)
         total = sum(r["prefix"] + r["suffix"] + r["max_tokens"] for r in reqs)
