@@ -133,6 +133,8 @@ def draw_settings(rng: random.Random, cfg: dict) -> dict:
     if prefix:
         st["prefix_checkpoint"] = rng.choice([16, 32, 64, 1024])
         st["prefix_cache_entries"] = rng.choice([1, 2, 64])  # few entries: eviction
+    if rng.random() < 0.15:  # the longest request ends exactly at max_model_len (drafts clamped there)
+        st["max_model_len"] = max(r["prefix"] + r["suffix"] + r["max_tokens"] for r in reqs)
     if rng.random() < 0.35:  # a token budget that forces queueing and preemption
         longest = max(r["prefix"] + r["suffix"] + r["max_tokens"] for r in reqs)
         total = sum(r["prefix"] + r["suffix"] + r["max_tokens"] for r in reqs)
@@ -199,7 +201,8 @@ def run_pair(model, cfg: dict, st: dict, seed: int) -> tuple[list[str], dict]:
     rng = random.Random(seed)
     prompts = _prompts(st, cfg["vocab_size"], rng)
     kw = {k: v for k, v in st.items() if k != "requests"}
-    llm = LLM(model, max_model_len=MAX_LEN, **kw)
+    kw.setdefault("max_model_len", MAX_LEN)
+    llm = LLM(model, **kw)
     eng = llm.engine
     rows: list = []
     _capture(eng, rows)
@@ -433,7 +436,8 @@ def test_prefix_snapshots_hold_the_mtp_layer_state(tmp_path):
     MTP window rows and compressor states: outputs stayed right (greedy verification), the
     first drafts did not equal the MTP layer's full forward. The engine now drafts first."""
     model = build(MTP_PREFIX, tmp_path / "ckpt", seed=648078961)
-    reqs = [dict(prefix=100, suffix=s, max_tokens=8, arrival=a, stop=[]) for s, a in ((0, 0), (2, 0), (10, 20), (37, 40))]
+    reqs = [dict(prefix=100, suffix=s, max_tokens=8, arrival=a, stop=[])
+            for s, a in ((0, 0), (2, 0), (10, 20), (37, 40))]
     reqs.append(dict(reqs[0], same_as=0, arrival=60))
     st = dict(max_num_batched_tokens=4096, page_size=64, max_num_seqs=8, enable_prefix_caching=True,
               num_speculative_tokens=2, overlap=False, cuda_graphs=False, prefix_checkpoint=32, requests=reqs)
