@@ -14,6 +14,8 @@ prompts on window / ratio / page boundaries, requests arriving mid-run). fp32, "
   token is accepted, counted, and the suite fails if such near-ties are frequent;
 - logits: every logits row the engine computed on a context that the final sequence
   confirms (prefill, decode, accepted verify rows) equals the full forward's row to LOGITS_TOL;
+- speculation: each first draft is the argmax of the MTP layer's own full forward (its
+  caches are checked too: drafts cannot change greedy outputs);
 - per configuration, where transformers is installed: our full forward equals
   DeepseekV4ForCausalLM's logits (v4_oracle.canonical_ties: the oracle's indexer breaks
   equal scores by the lower index, as deepfuse.ops.topk does).
@@ -25,7 +27,6 @@ settings and a one-line repro: DEEPFUSE_DIFF_ONLY=<config>:<setting> selects one
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import warnings
