@@ -185,7 +185,7 @@ def test_bad_inputs(tiny):
         (lambda: eng.add_request("x", [1, V], SamplingParams()), "vocabulary"),
         (lambda: eng.add_request("x", [-1], SamplingParams()), "vocabulary"),
         (lambda: eng.add_request("x", [1] * 395, SamplingParams(max_tokens=10)), "max_model_len"),
-        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: SamplingParams(max_tokens=-1), "max_tokens"),
         (lambda: SamplingParams(temperature=-0.5), "temperature"),
         (lambda: SamplingParams(top_p=0.0), "top_p"),
         (lambda: SamplingParams(top_p=1.5), "top_p"),

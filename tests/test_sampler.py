@@ -194,6 +194,29 @@ def test_top_k_ties_keep_exactly_k_lowest_ids():
     assert set(Sampler()(logits, b).tokens.tolist()) == {5, 1, 2}
 
 
+def test_extreme_parameters_stay_in_range():
+    """top_p that rounds to 0 in fp32 keeps the top token (it indexed row -1 before); a
+    temperature below MIN_TEMPERATURE is greedy (1e-40 overflowed the scaled logits); top_k
+    beyond the vocabulary (or int32) is no filter; in every mix of rows and paths."""
+    torch.manual_seed(3)
+    R, V = 64, 300
+    logits = torch.randn(R, V) * 4
+    argmax = logits.argmax(-1)
+    s = Sampler()
+    for b in (batch(R, top_p=5e-324), batch(R, top_p=1e-45, top_k=7), batch(R, temperature=1e-40),
+              batch(R, temperature=[1e-40, 1.0] * (R // 2), top_p=[5e-324, 1.0] * (R // 2)),
+              batch(R, temperature=9e-6, top_k=2 ** 40, min_p=0.5)):
+        out = s(logits, b)
+        greedy = b.temperature == 0
+        top1 = b.top_p < 1e-30
+        assert torch.equal(out.tokens[greedy | top1], argmax[greedy | top1])
+        lp = s.log_probs(logits, b)
+        assert torch.isfinite(lp.max(-1).values).all()
+    wide = s(logits, batch(R, top_k=2 ** 31 - 1, seed=5)).tokens
+    assert torch.equal(wide, s(logits, batch(R, top_k=0, seed=5)).tokens)
+    assert torch.equal(wide, s(logits, batch(R, top_k=V + 1, seed=5)).tokens)
+
+
 # ----------------------------------------------------------------------------- logprobs
 def test_logprobs_are_of_the_raw_distribution():
     torch.manual_seed(2)

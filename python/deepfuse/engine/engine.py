@@ -1,6 +1,8 @@
 """The engine: requests in, one scheduled step at a time, outputs out."""
 from __future__ import annotations
 
+import copy
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -14,7 +16,7 @@ from .cache import KV_DTYPES, CacheManager
 from .graph_runner import GraphRunner
 from .memory import finish_plan, plan_memory, resolve_kv_dtype
 from .model_runner import ModelRunner
-from .request import Request, RequestOutput, SamplingParams
+from .request import Request, RequestOutput, SamplingParams, Status
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .speculative import Emission, SpecDecoder
@@ -63,6 +65,11 @@ class EngineConfig:
 
 
 PENDING = -1  # an output token still on the device (overlap: its step is in flight)
+log = logging.getLogger("deepfuse.engine")
+
+
+def _msg(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 @dataclass
@@ -152,6 +159,10 @@ class Engine:
         if bad:
             raise ValueError(f"deepfuse: prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): "
                              f"{bad[:5]}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"deepfuse: SamplingParams.stop_token_ids has ids outside the vocabulary "
+                             f"[0, {self.vocab_size}): {bad[:5]}")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"deepfuse: prompt_token_ids ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({self.max_model_len})")
@@ -174,6 +185,10 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, ids, params, seed, self._arrivals, arrival_time=time.perf_counter(),
                       constraint=constraint)
+        if params.prompt_logprobs is not None:
+            req.prompt_lps = [None] * len(ids)
+            req.prompt_tops = [None] * len(ids) if params.prompt_logprobs else None
+            req.prompt_done = len(ids) == 1
         self._arrivals += 1
         self._reqs[request_id] = req
         self.scheduler.add(req)
@@ -271,8 +286,8 @@ class Engine:
         if self.overlap and self.spec is None and not any(r.constraint is not None for r in self._reqs.values()):
             return outs + self._step_overlap()
         if self._inflight is not None:  # leaving overlap: settle the step in flight first
-            outs += self._settle(self._inflight)
-            self._inflight = None
+            f, self._inflight = self._inflight, None
+            outs += self._settle_safe(f, None)[0]
         return outs + self._step_sync()
 
     def _event(self):
@@ -290,17 +305,28 @@ class Engine:
         if not chunks:
             return outs
         ev0 = self._event()
-        emissions, streams, ctx = self._emissions(chunks)
+        try:
+            emissions, streams, ctx = self._emissions(chunks)
+        except Exception as e:
+            self.num_steps += 1
+            return self._isolate(chunks, e)
         if ev0 is not None:
             self.gpu_events.append((ev0, self._event()))
         now = time.perf_counter()
-        ending = []
+        by_req, ending = {}, []
         for c, e in zip(chunks, emissions):
             req = c.req
             req.num_computed = c.start + e.computed
+            if req.error is not None:  # its constraint raised in this step
+                outs.append(self._fail(req, req.error))
+                continue
             if not e.tokens:
+                if self._prefill_only_done(req):
+                    ending.append((req, "length", None))
                 continue
             o = RequestOutput(req.request_id, req.prompt_token_ids, [])
+            self._attach_prompt(req, o)
+            by_req[id(req)] = o
             reason = None
             for t, tok in enumerate(e.tokens):
                 req.append_token(tok)
@@ -315,20 +341,29 @@ class Engine:
                     o.top_logprobs = (o.top_logprobs or []) + [e.top_logprobs[t]]
                 reason = self._finish_reason(req, tok)
                 if req.constraint is not None:
-                    ok = req.constraint.accept_token(tok)
-                    if (not ok or req.constraint.is_terminated()) and reason is None:
-                        reason = "stop"
+                    try:
+                        ok = req.constraint.accept_token(tok)
+                        if (not ok or req.constraint.is_terminated()) and reason is None:
+                            reason = "stop"
+                    except Exception as ex:
+                        reason = "error"
+                        self._fail(req, f"constraint failed: {_msg(ex)}", o)
                 if reason is not None:
                     break
-            if reason is not None:
+            if reason is not None and reason != "error":
                 req.finish_reason = reason
                 ending.append((req, reason, o))
             outs.append(o)
         if self.spec is not None:  # first: prefix snapshots must hold the MTP layer's state of this step
-            self.spec.propose(chunks, emissions, streams, ctx, self._reserve_drafts)
+            outs += self._propose(chunks, emissions, streams, ctx, by_req)
         self._checkpoints(chunks)
         for req, reason, o in ending:
-            self._finish(req, reason, o, now)
+            if req.error is not None:  # drafting failed it
+                continue
+            if o is None:
+                outs.append(self._finish_prefill_only(req, now))
+            else:
+                self._finish(req, reason, o, now)
         self.num_steps += 1
         self.step_times.append(time.perf_counter() - t0)
         self.prepare_times.append(t_sched + self.runner.last_prepare_s)
@@ -339,46 +374,77 @@ class Engine:
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         t_sched = time.perf_counter() - t0
-        launched = None
+        launched, outs, f = None, [], self._inflight
         if chunks:
-            r = self.runner
-            ev0 = self._event()
-            prev = self._inflight.res.tokens if self._inflight is not None else None
-            ctx = r.prepare(chunks, pending_tokens=prev)
-            logits = r.forward(chunks, ctx)
-            for c in chunks:
-                c.req.num_computed = c.start + c.count
-            self._checkpoints(chunks)
-            if logits.shape[0]:
-                res = r.sampler(logits, r.sampling_batch(chunks, ctx))
-                tensors = [t for t in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if t is not None]
-                event = None
-                if logits.is_cuda:
-                    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                            for t in tensors]
-                    event = torch.cuda.Event()
-                    event.record()
-                else:
-                    host = tensors
-                if ev0 is not None:
-                    self.gpu_events.append((ev0, self._event()))
-                rows = []
-                for row, i in enumerate(ctx.logits_req):
-                    req = chunks[i].req
-                    req.append_token(PENDING)
-                    req.pending = (self.num_steps, row)
-                    rows.append((req, len(req.output_token_ids) - 1))
-                    if (len(req.output_token_ids) >= req.params.max_tokens
-                            or req.num_tokens >= self.max_model_len):
-                        req.final_pending = True  # it ends with this token: schedule it no more
-                launched = _Inflight(self.num_steps, chunks, ctx, res, host, event, rows)
-        outs = self._settle(self._inflight) if self._inflight is not None else []
+            try:
+                launched, outs = self._launch(chunks, f)
+            except Exception as e:
+                self._inflight = None
+                outs = self._settle_safe(f, None)[0] if f is not None else []
+                self.num_steps += 1
+                return outs + self._isolate(chunks, e)
+        self._inflight = None
+        if f is not None:
+            settled, launched = self._settle_safe(f, launched)
+            outs += settled
         self._inflight = launched
         if chunks:
             self.num_steps += 1
             self.step_times.append(time.perf_counter() - t0)
             self.prepare_times.append(t_sched + self.runner.last_prepare_s)
         return outs
+
+    def _launch(self, chunks, f: Optional[_Inflight]) -> tuple[Optional[_Inflight], list[RequestOutput]]:
+        """Launch a step (overlap) -> (the step in flight or None, outputs of requests that
+        ended with their prefill: max_tokens 0)."""
+        r = self.runner
+        launched = None
+        ev0 = self._event()
+        prev = f.res.tokens if f is not None else None
+        ctx = r.prepare(chunks, pending_tokens=prev)
+        logits = r.forward(chunks, ctx)
+        for c in chunks:
+            c.req.num_computed = c.start + c.count
+        self._checkpoints(chunks)
+        if logits.shape[0]:
+            res = r.sampler(logits, r.sampling_batch(chunks, ctx))
+            tensors = [t for t in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if t is not None]
+            event = None
+            if logits.is_cuda:
+                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                        for t in tensors]
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                host = tensors
+            if ev0 is not None:
+                self.gpu_events.append((ev0, self._event()))
+            rows = []
+            for row, i in enumerate(ctx.logits_req):
+                req = chunks[i].req
+                req.append_token(PENDING)
+                req.pending = (self.num_steps, row)
+                rows.append((req, len(req.output_token_ids) - 1))
+                if (len(req.output_token_ids) >= req.params.max_tokens
+                        or req.num_tokens >= self.max_model_len):
+                    req.final_pending = True  # it ends with this token: schedule it no more
+            launched = _Inflight(self.num_steps, chunks, ctx, res, host, event, rows)
+        now = time.perf_counter()
+        return launched, [self._finish_prefill_only(c.req, now) for c in chunks if self._prefill_only_done(c.req)]
+
+    def _settle_safe(self, f: _Inflight, launched: Optional[_Inflight]) -> tuple[list[RequestOutput],
+                                                                                 Optional[_Inflight]]:
+        """_settle(f) -> (outputs, launched); if reading f back fails, f's requests fail and
+        the requests of the step launched after it go back to the queue (launched: None)."""
+        try:
+            return self._settle(f), launched
+        except Exception as e:
+            log.exception("deepfuse: reading back step %d failed", f.step)
+            reqs = list({id(q): q for q, _ in f.rows if q.finish_reason is None}.values())
+            outs = [self._fail(q, _msg(e)) for q in reqs]
+            if launched is not None:
+                self._rollback([c.req for c in launched.chunks if c.req.finish_reason is None])
+            return outs, None
 
     def _settle(self, f: _Inflight) -> list[RequestOutput]:
         """Read back a launched step's tokens; stop conditions are resolved here, one step late."""
@@ -403,6 +469,7 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = now
             o = RequestOutput(req.request_id, req.prompt_token_ids, [tok])
+            self._attach_prompt(req, o)
             n = req.params.logprobs
             if n is not None:
                 req.logprobs.append(lps[row])
@@ -418,6 +485,115 @@ class Engine:
                 self._finish(req, reason, o, now)
             outs.append(o)
         return outs
+
+    # ------------------------------------------------------------------ failures
+    def _prefill_only_done(self, req: Request) -> bool:
+        return req.params.max_tokens == 0 and req.finish_reason is None and req.num_computed >= req.num_tokens
+
+    def _finish_prefill_only(self, req: Request, now: float) -> RequestOutput:
+        o = RequestOutput(req.request_id, req.prompt_token_ids, [])
+        self._attach_prompt(req, o)
+        self._finish(req, "length", o, now)
+        return o
+
+    def _attach_prompt(self, req: Request, o: RequestOutput) -> None:
+        """The prompt logprobs go out once, complete, with the first output after the prefill."""
+        if req.prompt_lps is not None and req.prompt_done and not req.prompt_sent:
+            req.prompt_sent = True
+            o.prompt_logprobs = list(req.prompt_lps)
+            o.prompt_top_logprobs = list(req.prompt_tops) if req.prompt_tops is not None else None
+
+    def _fail(self, req: Request, msg: str, o: Optional[RequestOutput] = None) -> RequestOutput:
+        """End req with finish_reason "error" and free its cache (its state is not kept in the
+        prefix cache) -> its output (o, if given, is completed)."""
+        log.warning("deepfuse: request %s failed: %s", req.request_id, msg)
+        self.scheduler.remove(req)
+        self._reqs.pop(req.request_id, None)
+        while req.output_token_ids and req.output_token_ids[-1] == PENDING:
+            req.output_token_ids.pop()
+        req.num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        req.pending, req.final_pending = None, False
+        req.finish_reason, req.error = "error", msg
+        o = o if o is not None else RequestOutput(req.request_id, req.prompt_token_ids, [])
+        o.finished, o.finish_reason, o.error = True, "error", msg
+        o.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                     "finish_time": time.perf_counter(), "num_preemptions": req.num_preemptions}
+        return o
+
+    def _rollback(self, reqs: list[Request]) -> None:
+        """Send requests of a failed step back to the queue, to be recomputed: whatever the
+        step wrote of their caches is dropped (a partly run step leaves rings half-written)."""
+        s = self.scheduler
+        for req in sorted(reqs, key=lambda r: r.arrival, reverse=True):
+            while req.output_token_ids and req.output_token_ids[-1] == PENDING:
+                req.output_token_ids.pop()
+            req.num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            req.pending, req.final_pending = None, False
+            if req.prompt_lps is not None and not req.prompt_sent:
+                req.prompt_done = len(req.prompt_token_ids) == 1
+            if req.status is Status.RUNNING:
+                s.running.remove(req)
+                s._free(req)
+                req.status = Status.WAITING
+                s.waiting.appendleft(req)
+
+    def _bisect(self, group: list, run, err: Exception, known: bool = True) -> list[tuple]:
+        """The members of group that make run(subgroup) raise -> [(member, its error)]; a
+        failing group whose halves both pass counts as a whole. known: group fails with err."""
+        if not known:
+            try:
+                run(group)
+                return []
+            except Exception as e:
+                err = e
+        if len(group) == 1:
+            return [(group[0], err)]
+        h = len(group) // 2
+        bad = self._bisect(group[:h], run, err, False) + self._bisect(group[h:], run, err, False)
+        return bad or [(m, err) for m in group]
+
+    def _isolate(self, chunks, e: Exception) -> list[RequestOutput]:
+        """A step raised: find its failing requests by re-running its chunks in halves (each
+        probe is a full step's forward + sampling; the caches it writes are dropped), end them
+        with the error, and send the others back to the queue. A failure that no probe
+        reproduces ends every request of the step."""
+        log.warning("deepfuse: step failed (%s); isolating the failing requests", _msg(e))
+        live = [c for c in chunks if c.req.status is Status.RUNNING and c.req.cache is not None]
+        stats = copy.deepcopy(self.spec.stats) if self.spec is not None else None
+        bad = self._bisect(live, self._emissions, e, known=len(live) == len(chunks)) if live else []
+        if stats is not None:
+            self.spec.stats = stats
+        if not bad:
+            bad = [(c, e) for c in live]
+        failed = {id(c.req) for c, _ in bad}
+        outs = [self._fail(c.req, _msg(err)) for c, err in bad]
+        self._rollback([c.req for c in live if id(c.req) not in failed])
+        return outs
+
+    def _propose(self, chunks, emissions, streams, ctx, by_req: dict) -> list[RequestOutput]:
+        """spec.propose; if it raises, the requests whose drafting fails alone are ended with
+        the error (this step's tokens stay theirs); the others keep the drafts of their probe."""
+        try:
+            self.spec.propose(chunks, emissions, streams, ctx, self._reserve_drafts)
+            return []
+        except Exception as e:
+            idx = [i for i, (c, em) in enumerate(zip(chunks, emissions))
+                   if c.req.cache is not None and em is not None and em.computed]
+
+            def run(sub):
+                keep = set(sub)
+                self.spec.propose(chunks, [em if i in keep else None for i, em in enumerate(emissions)], streams,
+                                  ctx, self._reserve_drafts)
+
+            bad = self._bisect(idx, run, e, known=False) if idx else []
+            outs = []
+            for i, err in bad:
+                req = chunks[i].req
+                o = by_req.get(id(req))
+                o2 = self._fail(req, f"drafting failed: {_msg(err)}", o)
+                if o is None:
+                    outs.append(o2)
+            return outs
 
     def stats(self) -> dict:
         c = self.cache

@@ -1,6 +1,7 @@
 """LLM: the offline entry point (a model plus an engine; generate() runs requests to the end)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence, Union
 
 import torch
@@ -54,6 +55,15 @@ class LLM:
         kv_dtype None: "fp8" on CUDA (bf16 V4 models), "auto" (lossless) otherwise; on CUDA the
         caches are sized by the memory plan (engine/memory.py; engine_kw gpu_memory_utilization,
         default 0.9) unless max_total_tokens is given (then it is checked against the plan)."""
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"kv_dtype", "max_num_seqs",
+                                                                       "max_num_batched_tokens", "max_total_tokens",
+                                                                       "max_model_len", "num_speculative_tokens"}
+        bad = sorted(set(engine_kw) - known)
+        if bad:
+            opts = sorted(known | {"device", "dtype", "kv_dtype", "max_num_seqs", "max_num_batched_tokens",
+                                   "max_total_tokens", "max_model_len", "num_speculative_tokens",
+                                   "tensor_parallel_size", "expert_parallel"})
+            raise ValueError(f"deepfuse: LLM: unknown option(s) {', '.join(map(repr, bad))} (options: {', '.join(opts)})")
         cfg = EngineConfig(kv_dtype=kv_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_total_tokens=max_total_tokens, max_model_len=max_model_len,
                            num_speculative_tokens=num_speculative_tokens, **engine_kw).validate()
@@ -102,6 +112,15 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         acc = {rid: RequestOutput(rid, list(p), []) for rid, p in zip(ids, prompts)}
         want = set(ids)
+        try:
+            self._run(acc, want, done)
+        except BaseException:
+            for rid in want - done.keys():  # the engine could not go on: do not leave them running
+                self.engine.abort(rid)
+            raise
+        return [done[rid] for rid in ids]
+
+    def _run(self, acc: dict, want: set, done: dict) -> None:
         while want - done.keys():
             for o in self.engine.step():
                 a = acc.get(o.request_id)
@@ -112,7 +131,8 @@ class LLM:
                     a.logprobs = (a.logprobs or []) + o.logprobs
                 if o.top_logprobs is not None:
                     a.top_logprobs = (a.top_logprobs or []) + o.top_logprobs
+                if o.prompt_logprobs is not None:
+                    a.prompt_logprobs, a.prompt_top_logprobs = o.prompt_logprobs, o.prompt_top_logprobs
                 if o.finished:
-                    a.finished, a.finish_reason, a.metrics = True, o.finish_reason, o.metrics
+                    a.finished, a.finish_reason, a.metrics, a.error = True, o.finish_reason, o.metrics, o.error
                     done[o.request_id] = a
-        return [done[rid] for rid in ids]

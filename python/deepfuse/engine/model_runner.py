@@ -16,16 +16,33 @@ from .scheduler import ScheduledChunk
 
 def apply_constraints(logits: torch.Tensor, reqs) -> torch.Tensor:
     """Mask the logits of tokens that the rows' constraints forbid (bitmask: bit v % 32 of
-    word v // 32, 1 = allowed; xgrammar's layout)."""
+    word v // 32, 1 = allowed; xgrammar's layout). A constraint that raises sets its
+    request's error (the engine ends that request) and leaves its row unmasked."""
     R, V = logits.shape
     mask = torch.full((R, -(-V // 32)), -1, dtype=torch.int32)
     for row, r in enumerate(reqs):
-        if r.constraint is not None:
-            r.constraint.fill_next_token_bitmask(mask, row)
+        if r.constraint is not None and r.error is None:
+            try:
+                r.constraint.fill_next_token_bitmask(mask, row)
+            except Exception as e:
+                r.error = f"constraint failed: {type(e).__name__}: {e}"
+                mask[row] = -1
     vocab = torch.arange(V, device=logits.device)
     words = mask.to(logits.device)[:, vocab // 32]
     allowed = ((words >> (vocab % 32).to(torch.int32)) & 1).bool()
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def logits_rows(c: ScheduledChunk) -> tuple[int, int]:
+    """(rows of chunk c that get logits: its last ones, of them the rows that are sampled or
+    verified). The extra rows are prompt rows whose logprobs the request asked for."""
+    req, a, n = c.req, c.start, c.count
+    if req.drafts and a + 1 == req.num_tokens:
+        return n, n
+    sampled = 1 if a + n == req.num_tokens and req.params.max_tokens > 0 else 0
+    if req.wants_prompt_rows and a < len(req.prompt_token_ids) - 1:
+        return n, sampled
+    return sampled, sampled
 
 
 def host_arrays(chunks: list[ScheduledChunk]):
@@ -39,12 +56,11 @@ def host_arrays(chunks: list[ScheduledChunk]):
         starts.append(a)
         counts.append(n)
         slots.append(req.cache.slot)
+        nlog.append(logits_rows(c)[0])
         if req.drafts and a + 1 == req.num_tokens:  # verify: the last token, then the drafts
             ids.append(req.token(a))
             ids.extend(req.drafts)
-            nlog.append(n)
             continue
-        nlog.append(1 if a + n == req.num_tokens else 0)
         if n == 1:
             ids.append(req.token(a))
         else:
@@ -103,6 +119,8 @@ class ModelRunner:
         else:
             out = self.model.forward_step(ctx, self.cache, return_streams=return_streams)
         logits = out[0] if return_streams else out
+        if any(r.wants_prompt_rows for r in (c.req for c in chunks)):
+            logits = self._prompt_logprobs(chunks, ctx, logits)
         if logits.shape[0]:
             reqs = [chunks[i].req for i in ctx.logits_req]
             if any(r.constraint is not None for r in reqs):
@@ -110,3 +128,43 @@ class ModelRunner:
             if self.captured is not None:
                 self.captured.append(([r.request_id for r in reqs], logits.cpu()))
         return (logits, out[1]) if return_streams else logits
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], ctx: StepContext, logits: torch.Tensor) -> torch.Tensor:
+        """Store the prompt logprobs of the prompt rows (row of position p: token p + 1) in
+        their requests, then drop those rows: -> the sampled rows' logits, with ctx's logits
+        rows (logits_req, num_logits, logits_indices) set to those rows only."""
+        first = 0
+        keep, src, tgt, owners = [], [], [], []
+        std = np.zeros(len(chunks), np.int64)
+        for i, c in enumerate(chunks):
+            total, std[i] = logits_rows(c)
+            req = c.req
+            if total > std[i]:
+                P = len(req.prompt_token_ids)
+                m = min(c.start + c.count, P - 1) - c.start  # rows whose next token is a prompt token
+                src.extend(range(first, first + m))
+                tgt.extend(req.prompt_token_ids[c.start + 1:c.start + 1 + m])
+                owners.append((req, c.start + 1, m))
+                if c.start + c.count >= P - 1:
+                    req.prompt_done = True
+            keep.extend(range(first + total - int(std[i]), first + total))
+            first += total
+        if src:
+            rows = to_device(src, torch.int64, logits.device)
+            lp = torch.log_softmax(logits[rows].float(), dim=-1)
+            vals = lp.gather(1, to_device(tgt, torch.int64, logits.device)[:, None])[:, 0].tolist()
+            n = max(req.params.prompt_logprobs for req, _, _ in owners)
+            if n:
+                tv, ti = (x.tolist() for x in torch.topk(lp, min(n, lp.shape[1]), dim=-1))
+            o = 0
+            for req, p0, m in owners:
+                req.prompt_lps[p0:p0 + m] = vals[o:o + m]
+                k = req.params.prompt_logprobs
+                if k:
+                    req.prompt_tops[p0:p0 + m] = [dict(zip(ti[o + j][:k], tv[o + j][:k])) for j in range(m)]
+                o += m
+        idx = to_device(keep, torch.int64, logits.device)
+        ctx.logits_indices = ctx.logits_indices[idx]
+        ctx.num_logits = std
+        ctx.logits_req = np.repeat(np.arange(len(chunks), dtype=np.int64), std)
+        return logits[idx]

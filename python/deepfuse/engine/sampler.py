@@ -3,11 +3,12 @@
 Semantics, per row (one token to sample):
 - Logprobs (the sampled token's and the top-n) are of the raw model distribution,
   log_softmax(logits), before temperature and filters.
-- Greedy rows (temperature 0) take argmax of the raw logits (lowest id on ties).
+- Greedy rows (temperature below MIN_TEMPERATURE = 1e-5, 0 included) take argmax of the raw
+  logits (lowest id on ties): dividing by a smaller temperature overflows.
 - Other rows: s = logits / temperature, then
   top-k: keep the k largest of s;
   top-p: of those, keep the smallest prefix of the descending order whose renormalised mass
-         is >= top_p (the top token always stays);
+         is >= top_p (the top token always stays, also for a top_p that rounds to 0 in fp32);
   min-p: of those, drop tokens with p < min_p * p_max, tested as s - s_max < log(min_p)
          (the same thing: renormalisation does not change ratios, and the top token stays);
   then sample from the renormalised remainder.
@@ -36,6 +37,8 @@ import torch
 
 from deepfuse import has_cuda_kernels, ops
 from deepfuse.ops.topk import MAX_K as _TOPK_MAX_K
+
+from .request import MIN_TEMPERATURE
 
 _MASK64 = (1 << 64) - 1
 
@@ -101,8 +104,8 @@ def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, token_ids: torch.Te
 class SamplingBatch:
     """Per-row sampling parameters for one step, as tensors on the logits' device (built once
     per step by the model runner; R rows, one per token to sample)."""
-    temperature: torch.Tensor   # [R] fp32, 0 = greedy (argmax)
-    top_k: torch.Tensor         # [R] int32, 0 = off (whole vocabulary)
+    temperature: torch.Tensor   # [R] fp32, below MIN_TEMPERATURE (0) = greedy (argmax)
+    top_k: torch.Tensor         # [R] int32, 0 = off (whole vocabulary; so is k >= V)
     top_p: torch.Tensor         # [R] fp32 in (0, 1], 1 = off
     min_p: torch.Tensor         # [R] fp32 in [0, 1], 0 = off
     seed: torch.Tensor          # [R] int64, the request's seed
@@ -119,9 +122,12 @@ class SamplingBatch:
     def from_lists(cls, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],
                    min_p: Sequence[float], seed: Sequence[int], position: Sequence[int],
                    num_logprobs: int = 0, want_logprobs: bool = False, device="cpu") -> "SamplingBatch":
-        """Tensors and flags from Python lists; seeds are taken modulo 2^64."""
+        """Tensors and flags from Python lists; seeds are taken modulo 2^64, temperatures below
+        MIN_TEMPERATURE become 0 (greedy), top_k is clamped to int32."""
         def t(x, dtype):
             return to_device(list(x), dtype, device)
+        temperature = [0.0 if x < MIN_TEMPERATURE else x for x in temperature]
+        top_k = [min(int(k), (1 << 31) - 1) for k in top_k]
         return cls(t(temperature, torch.float32), t(top_k, torch.int32), t(top_p, torch.float32),
                    t(min_p, torch.float32), t([_i64(s) for s in seed], torch.int64),
                    t(position, torch.int64),
@@ -162,7 +168,7 @@ def _filter_mask(s: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         rank = torch.arange(K, device=s.device)
         p = torch.softmax(vals.double().masked_fill(rank >= n[:, None], float("-inf")), dim=-1)
         before = p.cumsum(-1) - p  # mass ranked before each token
-        n_p = (before < b.top_p.double()[:, None]).sum(-1)
+        n_p = (before < b.top_p.double()[:, None]).sum(-1).clamp_(min=1)
         n = torch.where(b.top_p < 1, torch.minimum(n, n_p), n)
     # Boundary value t (the n-th largest; -inf when all stay) and how many equal to it stay.
     t = vals.gather(1, (n.clamp(max=K) - 1)[:, None])
@@ -188,9 +194,10 @@ class Sampler:
 
     @staticmethod
     def _scores(logits: torch.Tensor, b: SamplingBatch):
-        """-> (s = logits / T in fp64 with the filtered-out tokens at -inf, temperature)."""
-        temp = b.temperature.float()
-        s = logits / torch.where(temp > 0, temp, 1.0)[:, None]
+        """-> (s = logits / T in fp64 with the filtered-out tokens at -inf, bool [R]: the row
+        samples (temperature >= MIN_TEMPERATURE; the others are greedy))."""
+        hot = b.temperature.float() >= MIN_TEMPERATURE
+        s = logits / torch.where(hot, b.temperature.float(), 1.0)[:, None]
         keep = _filter_mask(s, b) if (b.any_top_p or b.max_top_k > 0) else None
         s64 = s.double()
         if b.any_min_p:
@@ -199,7 +206,7 @@ class Sampler:
             keep = min_p_keep if keep is None else keep & min_p_keep
         if keep is not None:
             s64.masked_fill_(~keep, float("-inf"))
-        return s64, temp
+        return s64, hot
 
     def log_probs(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         """fp64 [R, V]: the log of the distribution each row samples from (temperature and
@@ -210,8 +217,8 @@ class Sampler:
         greedy.scatter_(1, logits.argmax(-1, keepdim=True), 0.0)
         if b.all_greedy:
             return greedy
-        s, temp = self._scores(logits, b)
-        return torch.where(temp[:, None] > 0, torch.log_softmax(s, dim=-1), greedy)
+        s, hot = self._scores(logits, b)
+        return torch.where(hot[:, None], torch.log_softmax(s, dim=-1), greedy)
 
     @staticmethod
     def sample_log_probs(logp: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -225,7 +232,7 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         if b.all_greedy:
             return greedy
-        s64, temp = Sampler._scores(logits, b)
+        s64, hot = Sampler._scores(logits, b)
         vocab = torch.arange(s64.shape[1], device=s64.device)
         scores = s64.add_(gumbel_noise(b.seed.long(), b.position.long(), vocab))
-        return torch.where(temp > 0, scores.argmax(dim=-1), greedy)
+        return torch.where(hot, scores.argmax(dim=-1), greedy)
