@@ -185,6 +185,29 @@ def test_forward_failure_of_one_request(tiny, monkeypatch, mode):
     assert_cache_empty(eng)
 
 
+def test_drafting_failure_of_one_request(tiny, monkeypatch):
+    """Under speculation the MTP layer raises for one request's rows: that request ends with
+    the error (keeping the tokens it was given), the others go on with their drafts."""
+    V = tiny.cfg.vocab_size
+    prompts = [[t if t != POISON else 1 for t in p] for p in prompts_for([30, 60, 12], V, seed=17)]
+    prompts[1][40] = POISON
+    llm = LLM(tiny, max_num_seqs=4, max_num_batched_tokens=37, max_total_tokens=700, num_speculative_tokens=2)
+    orig = tiny.mtp_forward_step
+
+    def mtp_forward_step(ctx, cache, streams, next_ids, layer=0):
+        if bool((ctx.input_ids == POISON).any()):
+            raise RuntimeError("poisoned draft")
+        return orig(ctx, cache, streams, next_ids, layer)
+    monkeypatch.setattr(tiny, "mtp_forward_step", mtp_forward_step)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = run(llm.engine, [(f"r{i}", p, sp) for i, p in enumerate(prompts)])
+    assert got["r1"].finish_reason == "error" and "drafting failed" in got["r1"].error
+    for i in (0, 2):
+        assert got[f"r{i}"].finish_reason == "length" and full_greedy_agrees(tiny, prompts[i], got[f"r{i}"].token_ids)
+    assert llm.engine.spec.stats.verify_rows > 0
+    assert_cache_empty(llm.engine)
+
+
 def test_sampler_failure_of_one_row(tiny, monkeypatch):
     """The sampler raises for a batch that holds one request's seed: bisection finds it."""
     prompts = prompts_for([8, 40, 17, 3], tiny.cfg.vocab_size, seed=13)
