@@ -297,6 +297,21 @@ def test_prompt_logprobs_match_full_forward(tiny, overlap, prefix):
     assert_cache_empty(eng)
 
 
+def test_prompt_logprobs_with_speculation_and_preemption(tiny):
+    V = tiny.cfg.vocab_size
+    prompts = prompts_for([120, 90, 60, 33], V, seed=18)
+    llm = LLM(tiny, max_num_seqs=4, max_num_batched_tokens=23, max_total_tokens=260, num_speculative_tokens=2)
+    sp = [SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=i % 2) for i in range(len(prompts))]
+    outs = llm.generate(prompts, sp)
+    assert llm.engine.stats()["num_preemptions"] > 0
+    for p, o, s in zip(prompts, outs, sp):
+        vals, _ = reference_prompt_logprobs(tiny, p, 1)
+        assert o.prompt_logprobs[1:] == pytest.approx(vals[1:], abs=1e-4)
+        assert (o.prompt_top_logprobs is None) == (s.prompt_logprobs == 0)
+        assert len(o.token_ids) == 20 and full_greedy_agrees(tiny, p, o.token_ids)
+    assert_cache_empty(llm.engine)
+
+
 def test_max_tokens_zero_through_llm(tiny):
     p = prompts_for([25], tiny.cfg.vocab_size, seed=15)[0]
     llm = LLM(tiny, max_total_tokens=200, max_model_len=25)
