@@ -208,6 +208,41 @@ def test_drafting_failure_of_one_request(tiny, monkeypatch):
     assert_cache_empty(llm.engine)
 
 
+def test_overlap_read_back_failure(tiny, monkeypatch):
+    """Overlap: reading a step back fails; the requests with rows in it end with the error,
+    the step launched after it is dropped (its other requests are recomputed), and the
+    engine goes on."""
+    V = tiny.cfg.vocab_size
+    short_p, long_p, late_p = prompts_for([5, 300, 9], V, seed=19)
+    eng = LLM(tiny, max_num_batched_tokens=32, max_total_tokens=1000, overlap=True).engine
+    orig, calls = eng._settle, []
+
+    def settle(f):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("lost the step")
+        return orig(f)
+    monkeypatch.setattr(eng, "_settle", settle)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    eng.add_request("short", short_p, sp)
+    eng.add_request("long", long_p, sp)
+    got: dict[str, RequestOutput] = {}
+    for step in range(200):
+        if step == 6:
+            eng.add_request("late", late_p, sp)
+        for o in eng.step():
+            a = got.setdefault(o.request_id, RequestOutput(o.request_id, o.prompt_token_ids, []))
+            a.token_ids += o.token_ids
+            if o.finished:
+                a.finish_reason, a.error = o.finish_reason, o.error
+        if not eng.has_unfinished():
+            break
+    assert got["short"].finish_reason == "error" and "lost the step" in got["short"].error
+    for rid, p in (("long", long_p), ("late", late_p)):
+        assert got[rid].finish_reason == "length" and full_greedy_agrees(tiny, p, got[rid].token_ids), rid
+    assert_cache_empty(eng)
+
+
 def test_sampler_failure_of_one_row(tiny, monkeypatch):
     """The sampler raises for a batch that holds one request's seed: bisection finds it."""
     prompts = prompts_for([8, 40, 17, 3], tiny.cfg.vocab_size, seed=13)
