@@ -140,6 +140,8 @@ def draw_settings(rng: random.Random, cfg: dict) -> dict:
         longest = max(r["prefix"] + r["suffix"] + r["max_tokens"] for r in reqs)
         total = sum(r["prefix"] + r["suffix"] + r["max_tokens"] for r in reqs)
         st["max_total_tokens"] = max(longest + k + 1, int(total * rng.uniform(0.3, 0.8)))
+    if k:  # the random MTP layer's drafts are almost never accepted: verify the right ones too
+        st["good_drafts"] = rng.random() < 0.6
     return st
 
 
@@ -201,16 +203,36 @@ def run_pair(model, cfg: dict, st: dict, seed: int) -> tuple[list[str], dict]:
     """Run one settings draw on the model -> (failure messages, counts)."""
     rng = random.Random(seed)
     prompts = _prompts(st, cfg["vocab_size"], rng)
-    kw = {k: v for k, v in st.items() if k != "requests"}
+    kw = {k: v for k, v in st.items() if k not in ("requests", "good_drafts")}
     kw.setdefault("max_model_len", MAX_LEN)
+    ref = None
+    if st.get("good_drafts"):  # the greedy continuations (+ k), from a plain engine run
+        k = st["num_speculative_tokens"]
+        ref = [o.token_ids for o in LLM(model, max_model_len=MAX_LEN).generate(
+            prompts, [SamplingParams(max_tokens=r["max_tokens"] + k, ignore_eos=True) for r in st["requests"]])]
     llm = LLM(model, **kw)
     eng = llm.engine
     rows: list = []
     _capture(eng, rows)
-    drafts: list = []  # (request id, position of the first draft, first draft)
+    drafts: list = []  # (request id, position of the first draft, the MTP layer's first draft)
+    drng = random.Random(seed + 1)
+
+    def force(req, ds):
+        if not ds:
+            return ds
+        drafts.append((req.request_id, req.num_tokens, ds[0]))
+        if ref is None:
+            return ds
+        n = len(req.output_token_ids)
+        good = ref[int(req.request_id[1:])][n:n + len(ds)]
+        good += ds[len(good):]
+        if drng.random() < 0.4:  # one wrong draft: a partial acceptance
+            j = drng.randrange(len(good))
+            good[j] = (good[j] + 1) % cfg["vocab_size"]
+        return good
+
     if eng.spec is not None:
-        eng.spec.force_drafts = lambda req, ds: drafts.append((req.request_id, req.num_tokens, ds[0])) or ds if ds \
-            else ds
+        eng.spec.force_drafts = force
     order = sorted(range(len(prompts)), key=lambda i: st["requests"][i]["arrival"])
     got = {i: [] for i in range(len(prompts))}
     reasons = {}
@@ -445,3 +467,24 @@ def test_prefix_snapshots_hold_the_mtp_layer_state(tmp_path):
     fails, counts = run_pair(model, MTP_PREFIX, st, 27175079)
     assert not fails, fails
     assert counts["prefix_hits"] >= 2 and counts["drafts"] >= 10, counts
+
+
+def test_stop_token_inside_accepted_drafts(tmp_path):
+    """A request that hits a stop token inside a step's accepted drafts ends with fewer
+    tokens than the step computed; the MTP pass of that step (now run before its prefix
+    snapshot) must cover only the rows whose next token exists (it raised a size mismatch)."""
+    model = build(MTP_PREFIX, tmp_path / "ckpt", seed=648078961)
+    base = dict(max_num_batched_tokens=4096, page_size=16, max_num_seqs=4, enable_prefix_caching=True,
+                num_speculative_tokens=3, overlap=False, cuda_graphs=False, prefix_checkpoint=32, good_drafts=True)
+    reqs = [dict(prefix=80, suffix=3, max_tokens=10, arrival=0, stop=[]),
+            dict(prefix=80, suffix=3, max_tokens=10, arrival=8, stop=[], same_as=0)]
+    for seed in (11, 12, 13):  # different prompts and wrong-draft positions
+        prompt = _prompts(dict(base, requests=reqs), MTP_PREFIX["vocab_size"], random.Random(seed))[0]
+        out = LLM(model, max_model_len=MAX_LEN).generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
+        cont = out[0].token_ids
+        j = next(j for j in range(2, 10) if cont[j] not in cont[:j])
+        for r in reqs:
+            r["stop"] = [cont[j]]  # a stop token a few tokens in: inside a step's accepted drafts
+        fails, counts = run_pair(model, MTP_PREFIX, dict(base, requests=reqs), seed)
+        assert not fails, fails
+        assert counts["accepted_drafts"] >= 2, counts

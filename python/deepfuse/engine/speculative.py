@@ -221,9 +221,15 @@ class SpecDecoder:
         for i, (c, e) in enumerate(zip(chunks, emissions)):
             req = c.req
             req.drafts, req.draft_logq = [], None
-            if req.cache is None or e is None or e.computed == 0:  # finished / aborted in this step
+            if req.cache is None or e is None or e.computed == 0:  # aborted in this step
                 continue
-            n = e.computed
+            # rows whose next token is known: fewer than computed when the request ends in this step
+            # with a stop token before its last accepted draft, or with its prefill (max_tokens 0)
+            n = min(e.computed, req.num_tokens - 1 - c.start)
+            if n < e.computed:
+                req.num_computed = c.start + n  # its prefix snapshot: as far as the MTP layer got
+            if n <= 0:
+                continue
             items.append(req)
             ids.extend(req.tokens(c.start + 1, c.start + n + 1))
             starts.append(c.start)
