@@ -123,7 +123,7 @@ def draw_settings(rng: random.Random, cfg: dict) -> dict:
             r = dict(prefix=min(base, hi), suffix=rng.randint(0, 60))
         else:
             r = dict(prefix=0, suffix=_length(rng, cfg, page, hi))
-        r["max_tokens"] = rng.randint(1, 12)
+        r["max_tokens"] = rng.randint(1, 12) if rng.random() < 0.95 else 0  # 0: the prefill only
         r["stop"] = [rng.randrange(cfg["vocab_size"]) for _ in range(3)] if rng.random() < 0.25 else []
         r["arrival"] = 0 if i == 0 or rng.random() < 0.6 else rng.randint(1, 30)
         reqs.append(r)
