@@ -1019,3 +1019,32 @@ def test_echo_logprobs_like_lm_eval(live):
     assert r.choices[0].text == "The sky is blue" and len(r.choices[0].logprobs.token_logprobs) == len(ids)
     assert r.choices[0].logprobs.top_logprobs is None
     wait_idle(base)
+
+
+def test_missing_xgrammar_is_a_clear_refusal(monkeypatch):
+    """Without xgrammar a constrained request is refused with a message naming the package
+    (400 naming response_format through GrammarError), and the start-up warm-up only warns."""
+    import builtins
+
+    from deepfuse.serve.grammar import GrammarError, Grammars
+
+    class _HF:
+        def token_to_id(self, t):
+            return None
+
+    class _Tok:
+        hf = _HF()
+
+    real = builtins.__import__
+
+    def no_xgrammar(name, *a, **k):
+        if name == "xgrammar" or name.startswith("xgrammar."):
+            raise ImportError("No module named 'xgrammar'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    g = Grammars(_Tok())
+    g.warm()  # logs, does not raise
+    with pytest.raises(GrammarError, match="xgrammar") as e:
+        g.compile("json_object", None)
+    assert e.value.param == "response_format"

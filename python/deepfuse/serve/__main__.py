@@ -93,7 +93,7 @@ def main(argv=None):
                         **({"tensor_parallel_size": a.tp, "expert_parallel": a.expert_parallel} if a.tp != 1 else {}))
     except (ValueError, FileNotFoundError) as e:  # a setting the model / caches refuse: a usage error
         parser.error(str(e))
-    threading.Thread(target=st.grammars.compiler, daemon=True).start()  # xgrammar's vocabulary, off the first request
+    threading.Thread(target=st.grammars.warm, daemon=True).start()  # xgrammar's vocabulary, off the first request
     eng = st.engine_loop.engine
     logging.getLogger("deepfuse.serve").info("serving %s on http://%s:%d (max_model_len %d, cache %d tokens, kv %s)",
                                              st.model_name, a.host, a.port, st.max_model_len,

@@ -160,7 +160,11 @@ class Grammars:
     def compiler(self):
         with self._lock:
             if self._compiler is None:
-                import xgrammar as xgr
+                try:
+                    import xgrammar as xgr
+                except ImportError:
+                    raise GrammarError("constrained decoding needs the xgrammar package, which this server "
+                                       "does not have (pip install 'deepfuse[serve]')") from None
 
                 special = self._special_ids()
                 vocab = ["" if i in special else (self.tok.hf.id_to_token(i) or "") for i in range(self.tok.vocab_size)]
@@ -168,6 +172,14 @@ class Grammars:
                                          stop_token_ids=[self.tok.eos_id], add_prefix_space=False)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
             return self._compiler
+
+    def warm(self) -> None:
+        """Build the compiler ahead of the first constrained request (a thread at start-up);
+        without xgrammar, log once that constrained requests will be refused."""
+        try:
+            self.compiler()
+        except GrammarError as e:
+            logging.getLogger("deepfuse.serve").warning("%s", e)
 
     def no_control_mask(self):
         """int32 [ceil(V / 32)] token bitmask (xgrammar's layout: token i is bit i % 32 of
@@ -204,9 +216,9 @@ class Grammars:
         (EBNF text), tool_call_required (tools: OpenAI function tools; tool_choice "required" or
         a named one {"type": "function", "function": {"name": ...}}; prompt_tail: the prompt's end, which may already open the
         tool-call block) -> a compiled grammar."""
+        c = self.compiler()
         import xgrammar as xgr
 
-        c = self.compiler()
         try:
             if kind == "json_schema":
                 schema = spec if isinstance(spec, str) else json.dumps(spec)
