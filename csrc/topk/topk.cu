@@ -47,10 +47,13 @@
 //            one level resolves any range of < 2048 keys (bf16 candidates usually), at most
 //            three for fp32. Bucket search: the warps sum 16 rows of 128 bins, warp 0
 //            scans rows then bins (find_bucket).
-//   ties     (only when more keys equal the K-th, T, than the krem slots left for them):
-//            the same select over the index instead of the key, among the entries == T
-//            (L - 1 - index: the krem lowest indices win; 1 level for L <= 2048, 2 up to
-//            4M), so the selection is the canonical one whatever the buffer's order.
+//   ties     (only when more keys equal the K-th, T, than the krem slots left for them;
+//            in bf16 most rows): the krem lowest indices among the n entries == T win, so
+//            the selection is the canonical one whatever the buffer's order. n <= 256 (the
+//            output): the output pass lists the n entries in shared memory instead of
+//            writing them, then each is ranked by its index among them. Else (and for a
+//            compaction): the select again over the index among the entries == T (L - 1 -
+//            index; 1 level for L <= 2048, 2 up to 4M) gives the largest index kept.
 //   output   one block scan of packed (above, equal) counts gives every thread (contiguous
 //            buffer: a run of entries each) or warp (segments: ballots rank the lanes) its
 //            slots: keys above the K-th to [0, K - krem), the krem chosen equal to it after
@@ -91,6 +94,7 @@ static_assert((kStages & (kStages - 1)) == 0, "stages: a power of two");
 constexpr int kBuffer = 13312;  // candidate buffer entries (raw bits, index)
 constexpr int kMaxSeg = kBig / 32;  // fast path: one buffer segment per warp (G = 1, long rows)
 constexpr int kSegMinLen = 65536;  // rows at least this long use per-warp segments (measured)
+constexpr uint32_t kTieList = 256;  // ties ranked in a shared list up to this many entries == T
 static_assert(kRingBytes >= kTopkMaxK * 8, "the sorted pair buffer aliases the ring");
 // The robust path: after a compaction to K entries one round of one vector per thread fits.
 static_assert(kBuffer - kTopkMaxK >= kBig * 8, "candidate buffer");
@@ -280,11 +284,14 @@ __device__ __forceinline__ void find_bucket(Shared& sh, uint32_t* H, uint32_t kr
 }
 
 // Result of a select over the buffer: whole: the keys >= T are selected; else the keys > T
-// and the krem of those equal to T with index <= imax (T is the K-th largest key).
+// and of the n equal to T the krem with the lowest indices: those with index <= imax, or
+// (listed) ranked by the output pass (T is the K-th largest key).
 struct Sel {
   uint32_t T, krem;
   bool whole, ok;
-  uint32_t imax = 0;
+  uint32_t imax = 0xFFFFFFFFu;
+  uint32_t n = 0;
+  bool listed = false;
   __device__ __forceinline__ bool gt(uint32_t key) const { return whole ? key >= T : key > T; }
   // An entry == T (not whole): selected when take(its index).
   __device__ __forceinline__ bool eq(uint32_t key) const { return !whole && key == T; }
@@ -501,18 +508,24 @@ struct Ctx {
       krem -= sh.res_above;
       base += b << shift;
       if (cnt == krem) return Sel{base, 0u, true, true};  // the whole bucket is selected
-      if (shift == 0) return Sel{base, krem, false, true};
+      if (shift == 0) return Sel{base, krem, false, true, 0xFFFFFFFFu, cnt};
       span = min(span - (b << shift), (1u << shift) - 1u);
     }
   }
 
   // The canonical select of the `need` largest keys >= lo (see select_keys) in a row of len
   // elements: when more keys equal the K-th, T, than the krem slots left for them, the krem
-  // lowest indices among them win: a select of the krem largest len - 1 - index over the
-  // entries == T (indices are unique, so it ends whole: those with index <= imax).
-  __device__ __forceinline__ Sel select(const Layout& lay, uint32_t lo, uint32_t hi, uint32_t need, uint32_t len) {
+  // lowest indices among them win. listed (for the output pass) and <= kTieList of them:
+  // left to emit_pass; else a select of the krem largest len - 1 - index over the entries
+  // == T (indices are unique, so it ends whole: those with index <= imax).
+  __device__ __forceinline__ Sel select(const Layout& lay, uint32_t lo, uint32_t hi, uint32_t need, uint32_t len,
+                                        bool listed = false) {
     Sel s = select_keys(lay, lo, hi, need, [&](uint32_t i) { return F::key(craw[i]); });
     if (!s.ok || s.whole) return s;
+    if (listed && s.n <= kTieList) {
+      s.listed = true;
+      return s;
+    }
     __syncthreads();  // find_bucket's clearing of sh.hist is done
     const uint32_t T = s.T, top = len - 1u;
     const Sel r = select_keys(lay, 0u, top, s.krem, [&](uint32_t i) {
@@ -888,7 +901,12 @@ struct Ctx {
       if (s.gt(key)) {
         o.emit(gp++, static_cast<int>(cidx[i]), raw, key);
       } else if (s.eq(key) && s.take(cidx[i])) {
-        if (ep < s.krem) o.emit(above_total + ep, static_cast<int>(cidx[i]), raw, key);
+        if (s.listed) {
+          sh.hist[0][ep] = cidx[i];
+          sh.hist[1][ep] = raw;
+        } else if (ep < s.krem) {
+          o.emit(above_total + ep, static_cast<int>(cidx[i]), raw, key);
+        }
         ++ep;
       }
     }
@@ -899,7 +917,26 @@ struct Ctx {
   // of each warp's packed (above << 16 | equal) counts (< C <= 2^16 each) gives every warp
   // its first slots; in each chunk ballots rank the lanes.
   __device__ void emit_pass(const Out<F>& o, const Layout& lay, const Sel& s, uint32_t above_total) {
-    if (lay.nseg == 0) return emit_runs(o, lay.pool0, lay.pooln, s, above_total);
+    if (lay.nseg == 0) {
+      emit_runs(o, lay.pool0, lay.pooln, s, above_total);
+    } else {
+      emit_segs(o, lay, s, above_total);
+    }
+    if (!s.listed) return;
+    // The n entries == T listed (index in hist[0], raw bits in hist[1]; the hist is cleared
+    // at the next row's start): each one's rank is the number of lower indices among them.
+    __syncthreads();
+    for (uint32_t t = threadIdx.x; t < s.n; t += NT) {
+      const uint32_t e = sh.hist[0][t];
+      uint32_t r = 0;
+#pragma unroll 4
+      for (uint32_t j = 0; j < s.n; ++j) r += sh.hist[0][j] < e ? 1u : 0u;
+      if (r < s.krem) o.emit(above_total + r, static_cast<int>(e), sh.hist[1][t], s.T);
+    }
+  }
+
+  // emit_pass over per-warp segments and the pool.
+  __device__ void emit_segs(const Out<F>& o, const Layout& lay, const Sel& s, uint32_t above_total) {
     const uint32_t lane = threadIdx.x & 31, lt = (1u << lane) - 1u;
     uint32_t mine = 0;
     for_chunks(lay, [&](uint32_t i, bool ok) {
@@ -921,7 +958,12 @@ struct Ctx {
         o.emit(gp + __popc(gb & lt), static_cast<int>(cidx[i]), raw, key);
       } else if (e) {
         const uint32_t r = ep + __popc(eb & lt);
-        if (r < s.krem) o.emit(above_total + r, static_cast<int>(cidx[i]), raw, key);
+        if (s.listed) {
+          sh.hist[0][r] = cidx[i];
+          sh.hist[1][r] = raw;
+        } else if (r < s.krem) {
+          o.emit(above_total + r, static_cast<int>(cidx[i]), raw, key);
+        }
       }
       gp += __popc(gb);
       ep += __popc(eb);
@@ -966,7 +1008,7 @@ __device__ __noinline__ Refiltered refilter(Shared& sh, uint32_t* craw, uint32_t
     cx.template stream<true>(attempt == 0, overflow ? thr : 0u, L);
     __syncthreads();
     const uint32_t n = sh.cnt;
-    const Sel s = cx.select(Layout{0u, 0u, 0u, n}, cx.thr, sh.mx, kk, static_cast<uint32_t>(L));
+    const Sel s = cx.select(Layout{0u, 0u, 0u, n}, cx.thr, sh.mx, kk, static_cast<uint32_t>(L), true);
     if (s.ok || attempt > 0) return Refiltered{s, n, cx.ph, cx.g0};
   }
 }
@@ -1073,7 +1115,7 @@ __device__ __forceinline__ void topk_row(const Params& P, int64_t row, int rank,
     Sel s{0u, 0u, 0, false};
     const bool overflow = sh.fail != 0;
     Layout lay{cx.S, nseg, cx.pool0, min(sh.cnt, cx.cap - cx.pool0)};
-    if (!overflow) s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk), static_cast<uint32_t>(L));
+    if (!overflow) s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk), static_cast<uint32_t>(L), true);
     TOPK_PROBE(3, clock64());
     if (!s.ok) {
       // Rare: the cluster's buffer overflowed or fewer than K keys were above thr (see
@@ -1099,7 +1141,7 @@ __device__ __forceinline__ void topk_row(const Params& P, int64_t row, int rank,
         cx.template stream<true>(false, t, L);
         __syncthreads();
         lay = Layout{0u, 0u, 0u, sh.cnt};
-        s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk), static_cast<uint32_t>(L));
+        s = cx.select(lay, cx.thr, sh.mx, static_cast<uint32_t>(kk), static_cast<uint32_t>(L), true);
       }
     }
     rounds = cx.g0;

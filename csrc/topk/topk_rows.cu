@@ -113,10 +113,14 @@ __device__ __forceinline__ uint4 keys(const uint4& v) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if constexpr (F::kBits == 16) {
-      w[i] ^= __vcmpeq2(w[i], 0x80008000u) & 0x80008000u;  // -0.0 -> +0.0
-      const uint32_t flip = ((w[i] >> 15) & 0x00010001u) * 0x7FFFu | 0x80008000u;
-      const uint32_t nan = __vcmpgtu2(w[i] & 0x7FFF7FFFu, F::kNaNAbove * 0x00010001u);
-      w[i] = (w[i] ^ flip) | nan;
+      // Per 16-bit half, no carry between halves (|x| + 0x7FFF <= 0xFFFE): bit 15 of
+      // |x| + 0x7FFF is |x| != 0, of |x| + 0x7FFF - kNaNAbove is |x| > kNaNAbove (NaN).
+      const uint32_t a = w[i] & 0x7FFF7FFFu;
+      const uint32_t negz = ~(a + 0x7FFF7FFFu) & w[i] & 0x80008000u;  // -0.0
+      const uint32_t r = w[i] ^ negz;                                   // -0.0 -> +0.0
+      const uint32_t flip = ((r >> 15) & 0x00010001u) * 0x7FFFu | 0x80008000u;
+      const uint32_t nan = ((a + (0x7FFFu - F::kNaNAbove) * 0x00010001u) >> 15 & 0x00010001u) * 0xFFFFu;
+      w[i] = (r ^ flip) | nan;
     } else {
       w[i] = F::key(w[i]);
     }
@@ -296,12 +300,14 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const TopkArgs P) {
       }
       if (lane == 31) sh.wsum64[warp] = inc64;
       __syncthreads();
-      unsigned long long before = 0, total = 0;
-#pragma unroll 1
-      for (int w = 0; w < NT / 32; ++w) {
-        const unsigned long long x = sh.wsum64[w];
-        before += w < warp ? x : 0ull;
-        total += x;
+      // Sums over the warps, 32 bits (two fields) at a time: no carry between fields.
+      const unsigned long long x = lane < NT / 32 ? sh.wsum64[lane] : 0ull;
+      const uint32_t xl = static_cast<uint32_t>(x), xh = static_cast<uint32_t>(x >> 32);
+      unsigned long long before = __reduce_add_sync(kFull, lane < warp ? xl : 0u);
+      unsigned long long total = __reduce_add_sync(kFull, xl);
+      if constexpr (V > 2) {
+        before |= static_cast<unsigned long long>(__reduce_add_sync(kFull, lane < warp ? xh : 0u)) << 32;
+        total |= static_cast<unsigned long long>(__reduce_add_sync(kFull, xh)) << 32;
       }
       const unsigned long long excl = before + inc64 - c64;
       uint32_t prior = 0;  // keys == T in vectors < j of every thread
