@@ -24,7 +24,8 @@ def close(out, ref, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lead,d", [((1,), 4096), ((3, 5), 64), ((257,), 4096), ((64,), 7168), ((2, 1), 4100)])
+@pytest.mark.parametrize("lead,d", [((1,), 4096), ((3, 5), 64), ((257,), 4096), ((64,), 7168), ((2, 1), 4100),
+                                    ((70000,), 64)])  # the last: more tokens than a grid's y extent
 def test_hc_pre_post_head_match_reference(dtype, lead, d):
     g = torch.Generator(device=DEV).manual_seed(d + len(lead))
     x = torch.randn(*lead, 4, d, device=DEV, generator=g).to(dtype)

@@ -170,8 +170,8 @@ __global__ void __launch_bounds__(kThreads) hc_finish_kernel(const T* __restrict
 template <typename T>
 __global__ void hc_post_kernel(const T* __restrict__ f, const T* __restrict__ x, const float* __restrict__ post,
                                const float* __restrict__ comb, T* __restrict__ out, int d) {
-  const int64_t t = blockIdx.y;
-  const int cidx = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+  const int64_t t = blockIdx.x;  // tokens on x: more than 65535 of them
+  const int cidx = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
   if (cidx >= d) return;
   float p[kN], c[kN][kN];
 #pragma unroll
@@ -231,7 +231,7 @@ void hc_mix(const void* x, bool x_bf16, const float* fn, const float* scale, con
 void hc_post(const void* f, const void* x, bool bf16, const float* post, const float* comb, void* out, int64_t T,
              int d, cudaStream_t stream) {
   if (T <= 0) return;
-  const dim3 grid(ceil_div(d, 4 * 128), static_cast<unsigned>(T));
+  const dim3 grid(static_cast<unsigned>(T), ceil_div(d, 4 * 128));
   if (bf16)
     hc_post_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(static_cast<const __nv_bfloat16*>(f),
                                                             static_cast<const __nv_bfloat16*>(x), post, comb,

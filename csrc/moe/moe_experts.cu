@@ -163,8 +163,8 @@ __global__ void plan_place_kernel(const PlanArgs a) {
 template <typename Out>
 __global__ void combine_kernel(const float* __restrict__ Y, const int* __restrict__ inv, Out* __restrict__ out,
                                int ktot, int d) {
-  const int t = blockIdx.y;
-  const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+  const int64_t t = blockIdx.x;  // tokens on x: more than 65535 of them
+  const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
   if (c >= d) return;
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int j = 0; j < ktot; ++j) {
@@ -303,7 +303,7 @@ void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* id
   else
     run_gemms<PrefillCfg>(p, w, U, P, stream);
 
-  const dim3 cgrid(ceil_div(p.d, 1024), p.T);
+  const dim3 cgrid(static_cast<unsigned>(p.T), ceil_div(p.d, 1024));
   if (x_bf16)
     combine_kernel<__nv_bfloat16><<<cgrid, 256, 0, stream>>>(w.Y, w.inv, static_cast<__nv_bfloat16*>(out), ktot, p.d);
   else
