@@ -1,4 +1,4 @@
-# TileLang kernels (kernels/*.py) lowered to CUDA at build time by tools/tilelang_codegen.py.
+# TileLang kernels (kernels/*.py) lowered to CUDA at build time by tools/build/tilelang_codegen.py.
 #
 # deepfuse_add_tilelang_kernels(<target>):
 #  - configure: lists the kernels (the Python needs torch + tilelang; DEEPFUSE_CODEGEN_PYTHON,
@@ -16,7 +16,7 @@ function(deepfuse_add_tilelang_kernels target)
   else()
     set(_py "${Python_EXECUTABLE}")
   endif()
-  set(_tool "${CMAKE_SOURCE_DIR}/tools/tilelang_codegen.py")
+  set(_tool "${CMAKE_SOURCE_DIR}/tools/build/tilelang_codegen.py")
   set(_gen "${CMAKE_BINARY_DIR}/tilelang_gen")
   file(GLOB _kernels CONFIGURE_DEPENDS "${CMAKE_SOURCE_DIR}/kernels/*.py")
   list(FILTER _kernels EXCLUDE REGEX "/_[^/]*\\.py$")

@@ -7,6 +7,9 @@ import torch
 # microbench/ (not part of the package) is importable from the tests; the repository root
 # holds no `deepfuse` folder, so the installed package is still the one imported.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The shared helpers (engine_util, v4_oracle) sit beside this file and are imported from every
+# area folder (ops/, model/, engine/, serve/).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_configure(config):

@@ -1,6 +1,6 @@
 // Host launcher of the TileLang weight block cast: argument checks, then the generated
 // per-arch launcher (deepfuse_tl_kernels.h, written into the build tree by
-// tools/tilelang_codegen.py). Without TileLang (DEEPFUSE_NO_TILELANG) it only throws.
+// tools/build/tilelang_codegen.py). Without TileLang (DEEPFUSE_NO_TILELANG) it only throws.
 #include "cast/block_cast.h"
 
 #include <cstdint>

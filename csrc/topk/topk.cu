@@ -12,7 +12,7 @@
 // aligned rows go to topk_rows.cu instead, which does select over the whole row: there
 // that measured cheaper than this kernel's chain of phases.)
 // Small rows are a chain of dependent steps on one SM, so the design counts barriers and
-// round trips (tools/topk_probe.cu times each phase; docs/notes/topk-perf.md).
+// round trips (tools/probes/topk_probe.cu times each phase; docs/notes/topk-perf.md).
 //
 // Work split: a row is handled by G CTAs (G in {1, 2, 4, 8}; a thread-block cluster when
 // G > 1). G > 1 only while B * G fits one CTA per SM and each part keeps >= 16K elements.
@@ -99,7 +99,7 @@ static_assert(kRingBytes >= kTopkMaxK * 8, "the sorted pair buffer aliases the r
 // The robust path: after a compaction to K entries one round of one vector per thread fits.
 static_assert(kBuffer - kTopkMaxK >= kBig * 8, "candidate buffer");
 
-// Build with -DDEEPFUSE_TOPK_PROBE (tools/topk_probe.cu) to record per-CTA phase clocks.
+// Build with -DDEEPFUSE_TOPK_PROBE (tools/probes/topk_probe.cu) to record per-CTA phase clocks.
 #ifdef DEEPFUSE_TOPK_PROBE
 __device__ unsigned long long g_topk_probe[4096][32];
 #define TOPK_PROBE(i, v) \

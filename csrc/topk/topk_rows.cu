@@ -16,7 +16,7 @@
 // thread; with V > 1 and more keys == T than krem (ties straddle the K-th: rare for float
 // data) a second scan of C's counts per vector ranks them in index order.
 // No candidate buffer, no fallback.
-// Cost (bf16 1 x 8192 k = 512, 512 threads, H200, tools/topk_probe.cu): ~8K cycles: the
+// Cost (bf16 1 x 8192 k = 512, 512 threads, H200, tools/probes/topk_probe.cu): ~8K cycles: the
 // load ~1.5K, level 1 ~1.4K (8192 shared atomics; lanes of a warp collide on the few
 // dozen bins real data fills, yet per-lane private bins measured slower), the mask pass
 // ~0.7K (integer pipe, half rate), the later levels ~1.7K, scan and output ~2K.
@@ -32,7 +32,7 @@ namespace {
 
 constexpr int kRowBins = 2048;  // level 1 (and fp32 level 2): 11 bits
 
-// Build with -DDEEPFUSE_TOPK_PROBE (tools/topk_probe.cu): CTA b's thread 0 records phase
+// Build with -DDEEPFUSE_TOPK_PROBE (tools/probes/topk_probe.cu): CTA b's thread 0 records phase
 // clocks in g_topk_rows_probe[b].
 #ifdef DEEPFUSE_TOPK_PROBE
 __device__ unsigned long long g_topk_rows_probe[4096][16];

@@ -160,7 +160,7 @@ def pairs() -> list[tuple[int, list[int]]]:
 
 def repro(c: int, s: int) -> str:
     return (f"DEEPFUSE_DIFF_SEED={SEED} DEEPFUSE_DIFF_ONLY={c}:{s} "
-            f"pytest tests/test_differential.py")
+            f"pytest tests/model/test_differential.py")
 
 
 # ----------------------------------------------------------------------------- one pair

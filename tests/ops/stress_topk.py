@@ -1,9 +1,9 @@
 """Randomised stress run of deepfuse.ops.topk on the GPU: keeps going after a failure and
 prints every failing case (shape, input kind, lengths, plan, what broke, first bad row).
 
-    python tests/stress_topk.py [--seconds 60] [--seed 0] [--max-elems 20000000]
+    python tests/ops/stress_topk.py [--seconds 60] [--seed 0] [--max-elems 20000000]
 
-Exit status 1 if any case failed. Uses the checker of tests/test_topk.py.
+Exit status 1 if any case failed. Uses the checker of tests/ops/test_topk.py.
 """
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ def test_moe_experts_deterministic_and_graph_capturable():
 
 @pytest.mark.sanitize
 def test_moe_sanitize_small():
-    """Small cases of every kernel path for compute-sanitizer (tools/gpu_run.sh)."""
+    """Small cases of every kernel path for compute-sanitizer (tools/gpu/gpu_run.sh)."""
     for fmt in ("fp8", "mxfp4"):
         for T in (2, 300):
             g = torch.Generator(device=DEV).manual_seed(T)

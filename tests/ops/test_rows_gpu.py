@@ -221,7 +221,7 @@ def test_topk_slots(N, C, k):
 
 @pytest.mark.sanitize
 def test_rows_sanitize_small():
-    """One small case of every kernel of this file for compute-sanitizer (tools/gpu_run.sh)."""
+    """One small case of every kernel of this file for compute-sanitizer (tools/gpu/gpu_run.sh)."""
     g = _g(99)
     x = _randn(6, 4, 512, g=g)
     cos, sin = _cos_sin(6, 32, g)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds a per-arch deepfuse wheel (version label +sm90a etc.) for a chosen Python.
-#   usage: tools/build_wheels.sh [-p PYTHON] [-a ARCHS] [-o OUTDIR]
+#   usage: tools/build/build_wheels.sh [-p PYTHON] [-a ARCHS] [-o OUTDIR]
 #     -p  Python the wheel is for (default python3; e.g. ~/.pyenv/versions/3.12.1/bin/python3
 #         for the GPU machine's cp312)
 #     -a  CUDA archs, e.g. "90a" (default) or "90a;100a"
@@ -8,7 +8,7 @@
 # TileLang kernels are lowered by DEEPFUSE_CODEGEN_PYTHON (a Python with torch + tilelang;
 # default: .venv/bin/python when it exists, else PYTHON), so the target Python needs no torch.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 py=python3 archs=90a out="$root/wheelhouse"
 while getopts "p:a:o:" o; do
   case $o in p) py=$OPTARG ;; a) archs=$OPTARG ;; o) out=$OPTARG ;; *) exit 2 ;; esac

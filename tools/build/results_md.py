@@ -1,7 +1,7 @@
 """Markdown tables from microbenchmark JSON files (one section per kernel, with GPU, date,
 commit and the copy ceiling of that run).
 
-    python tools/results_md.py RESULTS_DIR [--skip KEY ...] > section.md
+    python tools/build/results_md.py RESULTS_DIR [--skip KEY ...] > section.md
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 #   env: PYTHON (default python3), TORCH_SPEC (default "torch"), EXTRA_PIP (more packages),
 #        DEEPFUSE_CUDA_ARCHS (default 90a), DEEPFUSE_BUILD_CUDA=OFF (pure-Python install)
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
 . .venv/bin/activate

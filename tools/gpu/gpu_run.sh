@@ -3,14 +3,14 @@
 # compute-sanitizer (memcheck, racecheck, synccheck) over the `sanitize` tests, microbenchmarks,
 # the top-k stress and tail runs and the decode loop.
 #   usage (device tool, from the repo root, carrying wheelhouse/):
-#     bash tools/gpu_run.sh [stages...]      stages: info tests sanitize bench (default: these
+#     bash tools/gpu/gpu_run.sh [stages...]      stages: info tests sanitize bench (default: these
 #                                            four), stress, tail, decode
 #   env: OUT (results folder; default ./gpu-out), BENCH_ARGS (e.g. "--quick --only cast"),
 #        KSEL (pytest -k expression, e.g. "cast or topk"), STRESS_S (default 30),
 #        TAIL_ARGS (e.g. "--draws 1500")
 # Logs go to $OUT/*.log; JSON + PNG results are packed into $OUT/results.tgz.
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 OUT=${OUT:-$root/gpu-out}
 mkdir -p "$OUT" /tmp/deepfuse-res
@@ -45,9 +45,9 @@ for s in $stages; do
     bench)
       run bench 540 python3 -m microbench.run --out /tmp/deepfuse-res ${BENCH_ARGS:-} ;;
     stress)
-      run stress $((${STRESS_S:-30} + 60)) python3 tests/stress_topk.py --seconds "${STRESS_S:-30}" ;;
+      run stress $((${STRESS_S:-30} + 60)) python3 tests/ops/stress_topk.py --seconds "${STRESS_S:-30}" ;;
     tail)
-      run tail 300 python3 tools/topk_tail.py ${TAIL_ARGS:-} ;;
+      run tail 300 python3 tools/probes/topk_tail.py ${TAIL_ARGS:-} ;;
     decode)
       run decode 300 python3 -m deepfuse ;;
   esac

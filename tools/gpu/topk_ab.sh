@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# A/B timing of top-k kernel variants with tools/topk_probe.cu, in one GPU call.
+# A/B timing of top-k kernel variants with tools/probes/topk_probe.cu, in one GPU call.
 # Build here (local nvcc, ~40 s each); a variant is a name plus nvcc flags (-D switches
 # you add to csrc/topk/topk.cu for the experiment), or a name and a source tree:
-#   bash tools/topk_ab.sh build base
-#   bash tools/topk_ab.sh build nobar -DDEEPFUSE_TOPK_AB_NOBAR
-#   SRC=/path/to/other/checkout bash tools/topk_ab.sh build main
+#   bash tools/gpu/topk_ab.sh build base
+#   bash tools/gpu/topk_ab.sh build nobar -DDEEPFUSE_TOPK_AB_NOBAR
+#   SRC=/path/to/other/checkout bash tools/gpu/topk_ab.sh build main
 # -> ab/probe_<name> (git-ignored; carry ab/ with the device tool). On the GPU machine:
-#   bash tools/topk_ab.sh run base nobar main    -> per variant and shape: graph/cold us and
+#   bash tools/gpu/topk_ab.sh run base nobar main    -> per variant and shape: graph/cold us and
 #                                                   CTA 0's phase cycles (probe's header)
 # History of the variants tried: docs/notes/topk-perf.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 case "${1:-}" in
   build)
     name=$2; shift 2
     src=${SRC:-.}
     mkdir -p ab
-    nvcc -O3 -std=c++17 -arch=sm_90a -DDEEPFUSE_TOPK_PROBE "$@" -I"$src/csrc" "$src/tools/topk_probe.cu" \
+    nvcc -O3 -std=c++17 -arch=sm_90a -DDEEPFUSE_TOPK_PROBE "$@" -I"$src/csrc" "$src/tools/probes/topk_probe.cu" \
       "$src/csrc/topk/topk.cu" "$src/csrc/topk/topk_rows.cu" "$src/csrc/common/cuda_utils.cu" -o "ab/probe_$name"
     echo "built ab/probe_$name" ;;
   run)

@@ -1,6 +1,6 @@
 // Standalone timing/phase probe for csrc/topk (no Python): per-shape graph-replayed and
 // eager kernel time, plus per-CTA phase clocks recorded by the kernel's TOPK_PROBE points.
-//   nvcc -O3 -std=c++17 -arch=sm_90a -DDEEPFUSE_TOPK_PROBE -Icsrc tools/topk_probe.cu \
+//   nvcc -O3 -std=c++17 -arch=sm_90a -DDEEPFUSE_TOPK_PROBE -Icsrc tools/probes/topk_probe.cu \
 //        csrc/topk/topk.cu csrc/topk/topk_rows.cu csrc/common/cuda_utils.cu -o topk_probe && ./topk_probe
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

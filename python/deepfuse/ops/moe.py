@@ -23,7 +23,7 @@ activation cast (per token per 128, fp32 scales), GEMM1 (w1 | w3 with the clampe
 epilogue), the cast of h, GEMM2 (times the routing weight) and a combine that sums each token's
 slots in order (deterministic). FP8 e4m3 MMAs with fp32 accumulation; MXFP4 weights are decoded
 to e4m3 in shared memory. Activations are quantised there (the reference does not): the error
-bound in tests/test_moe_gpu.py states what that costs. No host sync; graph-capturable. No
+bound in tests/ops/test_moe_gpu.py states what that costs. No host sync; graph-capturable. No
 repacking: the kernels read the checkpoint layouts as stored. Other inputs on CUDA (dense
 experts, shapes outside the kernels) run the references only where allowed (ops._fallback),
 else raise; set_activation_quant(False) chooses the moe_experts reference explicitly. swiglu has
