@@ -592,7 +592,7 @@ struct Ctx {
   // block barrier between reading round r and refilling the stage of round r - 1, for
   // compute-sanitizer: racecheck does not see mbarrier ordering of raw cp.async.bulk writes
   // and reports the refill against those reads (a known false positive; with the barrier
-  // it reports nothing). docs/notes/topk-perf.md, session 4.
+  // it reports nothing; docs/notes/topk-perf.md).
   __device__ __forceinline__ void issue(int r, int n_in) const {
     if (threadIdx.x != 0) return;
     const int first = r * U * NT, nv = min(U * NT, n_in - first);

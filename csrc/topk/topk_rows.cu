@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(const TopkArgs P) {
 // were slower than topk.cu's clusters at every B). 1024 threads while B <= #SMs and rows
 // exceed 512 vectors (fewer elements per thread: shorter chains on an SM that has one row);
 // 512 threads when SMs take several rows (several CTAs overlap) and for shorter rows
-// (measured: docs/notes/topk-perf.md, session 6).
+// (measured: docs/notes/topk-perf.md, "a short-row kernel").
 struct RowsCfg {
   int nt, v;
 };

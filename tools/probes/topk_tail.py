@@ -2,7 +2,7 @@
 randn inputs, one untimed and one timed call each; the GPU is kept busy
 (torch.cuda._sleep) while the host enqueues, so the event pair times the kernel alone.
 Prints the median, p99, max and the calls slower than 2x the median (topk.cu's rare
-fallback re-streams a row; docs/notes/topk-perf.md, session 6).
+fallback re-streams a row; docs/notes/topk-perf.md).
   PYTHONPATH=/tmp/dfsite python3 tools/probes/topk_tail.py [--draws 3000] [--shape bf16,16,131072,1024 ...]
 """
 import argparse
