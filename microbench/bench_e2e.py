@@ -119,8 +119,8 @@ def prefill_flops(model, new: int, context: int, n_req: int, mtp: bool) -> dict:
     .. context - 1: {"fp8": linears with FP8 / MXFP4 weights, routed experts, indexer scores;
     "bf16": dense linears, gate, mHC mixes, attention (QK and PV over the keys each query
     reads), the head on one row per request}. Compressor pooling, norms and routing omitted."""
-    from models.linear import Linear
-    from models.moe import Experts, Gate
+    from deepfuse.models.linear import Linear
+    from deepfuse.models.moe import Experts, Gate
 
     cfg = model.cfg
     N = new * n_req

@@ -1,4 +1,4 @@
-"""Tensor / expert parallel V4 (models/parallel.py, engine/distributed.py) on the CPU: two
+"""Tensor / expert parallel V4 (python/deepfuse/models/parallel.py, engine/distributed.py) on the CPU: two
 ranks (this process + one child) over gloo against the single-process engine, fp32, greedy,
 mixed prompt lengths, chunked prefill and preemption; per-rank loading; the step broadcast's
 arrays against ModelRunner.prepare. GPU variants need 2 GPUs (NCCL)."""

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from deepfuse.engine import generate
 from engine_util import run_chunks
 from v4_oracle import CONFIGS, canonical_ties, ids, load_ours, oracle_checkpoint, rel_err, one_thread  # noqa: F401
 
@@ -75,7 +76,7 @@ def test_greedy_generation_matches_oracle(pair):
         warnings.simplefilter("ignore")
         # an explicit mask: generate() would otherwise take token 0 (= pad) for padding
         ref = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60, do_sample=False)
-    out = ours.generate(prompt, 60)
+    out = generate(ours, prompt, 60)
     assert out.shape == ref.shape == (2, 160)  # crosses the first HCA boundary (128)
     assert torch.equal(out, ref)
 

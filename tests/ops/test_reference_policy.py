@@ -1,6 +1,6 @@
 """No silent torch reference on CUDA (ops/_fallback.py): the policy, every CUDA registration's
 use of it (exercised on CPU tensors through the registered CUDA functions), the models' own
-choices (models/references.py), and on the GPU the ops and the engine step at V4-Flash widths."""
+choices (python/deepfuse/models/references.py), and on the GPU the ops and the engine step at V4-Flash widths."""
 import importlib
 import inspect
 import threading

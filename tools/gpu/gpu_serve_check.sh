@@ -25,7 +25,6 @@ if [ -d "$sw" ]; then
 fi
 # the source tree's Python over the wheel's extension
 cp /tmp/dfsite/deepfuse/_C*.so python/deepfuse/
-rm -rf python/deepfuse/models && ln -s ../../models python/deepfuse/models
 export PYTHONPATH=$root/python:$root:/tmp/servesite
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 rc=0

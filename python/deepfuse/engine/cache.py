@@ -22,39 +22,13 @@ import numpy as np
 import torch
 
 from deepfuse import kv_format as F
-from deepfuse import ops
-from deepfuse.ops.kvcache import store_rows
+from deepfuse.step import LayerCacheView  # re-exported
 
 from .allocator import PageAllocator
 from .context import CacheGeometry
 
 KV_DTYPES = ("auto", "fp8", "bf16")
 CPU_TOTAL_TOKENS = 1 << 17  # max_total_tokens on the CPU when not given
-
-
-@dataclass
-class LayerCacheView:
-    """One layer's part of the cache, as the model's layers use it."""
-
-    fp8: bool
-    ring: torch.Tensor                      # [P, Wp * 584] uint8 or [P, Wp, D]
-    ring_page_size: int
-    comp: Optional[torch.Tensor] = None     # compressed rows [P, ps * 584] / [P, ps, D]
-    index: Optional[torch.Tensor] = None    # indexer keys [P, ps * 132] / [P, ps, Di]
-    page_size: int = 0
-    states: dict = field(default_factory=dict)  # name -> (kv [S * R + 1, w], score [S * R + 1, w])
-
-    def window_target(self) -> ops.RowTarget:
-        return ops.RowTarget(self.ring, "kv_fp8" if self.fp8 else "dense", self.ring_page_size)
-
-    def target(self, name: str) -> ops.RowTarget:
-        """The pages the compressor `name` ("attn" / "index") stores its rows in."""
-        if name == "attn":
-            return ops.RowTarget(self.comp, "kv_fp8" if self.fp8 else "dense", self.page_size)
-        return ops.RowTarget(self.index, "idx_fp8" if self.fp8 else "dense", self.page_size)
-
-    def store_window(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        store_rows(self.window_target(), rows, slots)
 
 
 @dataclass
@@ -392,13 +366,23 @@ class CacheManager:
         return max(b, 1.0)
 
 
+def resolve_kv_dtype(kv_dtype: Optional[str], cfg, device, model_dtype: torch.dtype) -> str:
+    """kv_dtype None -> "fp8" on CUDA for a bf16 model whose rows are V4's (head_dim 512,
+    index_head_dim 128: what the fp8 kernels serve), else "auto" (the model dtype, lossless:
+    the CPU default and the oracle path, an fp32 model on CUDA included)."""
+    if kv_dtype is not None:
+        return kv_dtype
+    fits = cfg.head_dim == F.KV_DIM and cfg.index_head_dim == F.IDX_DIM
+    if torch.device(device).type == "cuda" and model_dtype == torch.bfloat16 and fits:
+        return "fp8"
+    return "auto"
+
+
 def default_total_tokens(cfg, kv_dtype: Optional[str], model_dtype, device, max_num_seqs: int,
                          max_model_len: int) -> int:
     """max_total_tokens when not given and not planned (engine/memory.py plans it on CUDA):
     128K tokens on the CPU; half the free device memory on CUDA (tensor parallel ranks),
-    never more than max_num_seqs full-length requests. kv_dtype None: memory.resolve_kv_dtype."""
-    from .memory import resolve_kv_dtype
-
+    never more than max_num_seqs full-length requests. kv_dtype None: resolve_kv_dtype."""
     kv_dtype = resolve_kv_dtype(kv_dtype, cfg, device, model_dtype)
     cap = max_num_seqs * max_model_len
     dev = torch.device(device)

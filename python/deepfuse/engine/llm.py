@@ -136,3 +136,21 @@ class LLM:
                 if o.finished:
                     a.finished, a.finish_reason, a.metrics, a.error = True, o.finish_reason, o.metrics, o.error
                     done[o.request_id] = a
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: Optional[int] = None):
+    """Greedy decoding of a loaded V4Model on the engine (paged caches, lossless "auto" KV):
+    input_ids [B, T] -> [B, T + new]; a row that emits eos_token_id stops there and is padded
+    with it."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"deepfuse: generate: input_ids must be a [B, T] tensor, got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    llm = LLM(model, max_num_seqs=max(1, input_ids.shape[0]))
+    stop = () if eos_token_id is None else (int(eos_token_id),)
+    outs = llm.generate(input_ids.tolist(), SamplingParams(max_tokens=max_new_tokens, stop_token_ids=stop,
+                                                           ignore_eos=True))
+    n = max(len(o.token_ids) for o in outs)
+    pad = 0 if eos_token_id is None else int(eos_token_id)
+    new = torch.tensor([o.token_ids + [pad] * (n - len(o.token_ids)) for o in outs], dtype=input_ids.dtype)
+    return torch.cat([input_ids, new.to(input_ids.device)], dim=1)

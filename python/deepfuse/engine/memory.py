@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from deepfuse import kv_format as F
+from .cache import default_total_tokens, resolve_kv_dtype
 
 log = logging.getLogger("deepfuse.engine")
 
@@ -49,18 +49,6 @@ GiB = float(1 << 30)
 MARGIN_MIN = 512 << 20        # bytes kept free besides the plan's items ...
 MARGIN_FRACTION = 0.005       # ... or this fraction of the device's memory, the larger
 PROFILE_LOGPROBS = 20         # top logprobs the profiling step asks for (the most a request may)
-
-
-def resolve_kv_dtype(kv_dtype: Optional[str], cfg, device, model_dtype: torch.dtype) -> str:
-    """kv_dtype None -> "fp8" on CUDA for a bf16 model whose rows are V4's (head_dim 512,
-    index_head_dim 128: what the fp8 kernels serve), else "auto" (the model dtype, lossless:
-    the CPU default and the oracle path, an fp32 model on CUDA included)."""
-    if kv_dtype is not None:
-        return kv_dtype
-    fits = cfg.head_dim == F.KV_DIM and cfg.index_head_dim == F.IDX_DIM
-    if torch.device(device).type == "cuda" and model_dtype == torch.bfloat16 and fits:
-        return "fp8"
-    return "auto"
 
 
 @dataclass
@@ -249,8 +237,6 @@ def plan_memory(model, config, kv_dtype: str, max_len: int, make_cache: Callable
     dev = model.device
     explicit = config.max_total_tokens
     if dev.type != "cuda" or not measure:
-        from .cache import default_total_tokens
-
         total = explicit or default_total_tokens(model.cfg, kv_dtype, model.dtype, dev, config.max_num_seqs, max_len)
         return MemoryPlan(str(dev), kv_dtype, total, min(max_len, total),
                           source="explicit" if explicit else "default")

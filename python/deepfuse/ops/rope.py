@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 from deepfuse.ops._checks import check_tensor
+from deepfuse.ops._fallback import need_reference
 from deepfuse.ops._registry import op
+from deepfuse.ops._rows import _f32, launch_rows, rows_kernel_gap
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,9 +40,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) 
 
 @_rope.register_kernel("cuda")
 def _(x, cos, sin, inverse):
-    from deepfuse.ops._fallback import need_reference
-    from deepfuse.ops.norm import _f32, launch_rows, rows_kernel_gap
-
     why = rows_kernel_gap(x)
     if why is not None:
         need_reference("rope", why)

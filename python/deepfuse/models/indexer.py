@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from deepfuse import ops
+from deepfuse.step import CompressPlan, LayerCacheView, StepContext
 
 from .compressor import Compressor
 from .config import V4Config
@@ -59,7 +60,8 @@ class Indexer(nn.Module):
         visible = ((positions + 1) // self.ratio).expand(B, -1)
         return select_topk(scores, min(self.topk, C), visible)
 
-    def step(self, x: torch.Tensor, qr: torch.Tensor, ctx, plan, cache, rope: RopeTable):
+    def step(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext, plan: CompressPlan, cache: LayerCacheView,
+             rope: RopeTable):
         """One flat step: x [N, d], qr [N, q_lora_rank] -> cache slots [N, k] of the selected
         compressed rows (-1 = none), or None when no request of the step has an entry yet.
         Scores over the paged keys (ops.indexer_logits_paged), the top-k written as slots

@@ -6,11 +6,11 @@ models.load(); construction alone leaves every tensor on the meta device.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from deepfuse.step import StepContext
 
 from . import mhc
 from .references import scoped
@@ -76,8 +76,8 @@ class V4Model(nn.Module):
         return (logits, x) if return_streams else logits
 
     @scoped(full=False, cache_arg=1)
-    def forward_step(self, ctx, cache, *, return_streams: bool = False):
-        """One engine step over the flat batch of `ctx` (deepfuse.engine.context.StepContext)
+    def forward_step(self, ctx: StepContext, cache, *, return_streams: bool = False):
+        """One engine step over the flat batch of `ctx` (deepfuse.step.StepContext)
         with the engine's cache (CacheManager): -> logits [R, vocab] (fp32) of the rows
         ctx.logits_indices (and the final streams [N, hc, d], the MTP layer's input). Writes
         every layer's cache state for the step's tokens."""
@@ -90,7 +90,7 @@ class V4Model(nn.Module):
         return (logits, x[0]) if return_streams else logits
 
     @scoped(full=False, cache_arg=1)
-    def mtp_forward_step(self, ctx, cache, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0):
+    def mtp_forward_step(self, ctx: StepContext, cache, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0):
         """One flat engine step of MTP layer `layer` (its cache is cache.layer(num layers +
         layer)): streams [N, hc, d] at the ctx's positions (the main model's final streams,
         or this layer's own output streams when drafting a chain) and next_ids [N], the token
@@ -116,18 +116,3 @@ class V4Model(nn.Module):
         emb = self.embed(next_ids).to(self.dtype)
         h, out = self.mtp[layer].step(streams, emb, next_ids, positions, self.ropes)
         return self.head(h).float(), out
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: Optional[int] = None):
-        """Greedy decoding on the engine (paged caches, lossless "auto" KV) -> [B, T + new];
-        a row that emits eos_token_id stops there and is padded with it."""
-        from deepfuse.engine import LLM, SamplingParams
-
-        llm = LLM(self, max_num_seqs=max(1, input_ids.shape[0]))
-        stop = () if eos_token_id is None else (int(eos_token_id),)
-        outs = llm.generate(input_ids.tolist(), SamplingParams(max_tokens=max_new_tokens, stop_token_ids=stop,
-                                                               ignore_eos=True))
-        n = max(len(o.token_ids) for o in outs)
-        pad = 0 if eos_token_id is None else int(eos_token_id)
-        new = torch.tensor([o.token_ids + [pad] * (n - len(o.token_ids)) for o in outs], dtype=input_ids.dtype)
-        return torch.cat([input_ids, new.to(input_ids.device)], dim=1)

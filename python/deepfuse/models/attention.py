@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from deepfuse import ops
+from deepfuse.step import LayerCacheView, StepContext
 
 from .compressor import Compressor
 from .config import CSA, SWA, V4Config
@@ -98,7 +99,7 @@ class Attention(nn.Module):
         o = ops.sparse_attention(q, rows, idx, self.attn_sink, D ** -0.5)
         return self._out(ops.rope(o, cos, sin, inverse=True))
 
-    def step(self, x: torch.Tensor, ctx, cache, rope: RopeTable) -> torch.Tensor:
+    def step(self, x: torch.Tensor, ctx: StepContext, cache: LayerCacheView, rope: RopeTable) -> torch.Tensor:
         """One engine step: x [N, d] (attn_norm-ed) of the flat batch -> [N, d]."""
         cos, sin = ctx.rope(self.rope_kind, rope)
         qr, q = self._q(x, cos, sin)
