@@ -138,8 +138,11 @@ def prefill_flops(model, new: int, context: int, n_req: int, mtp: bool) -> dict:
                 else:
                     f8 += f
             elif isinstance(m, Experts):
-                per = sum(math.prod(m.proj_shape(p)) for p in ("w1", "w3", "w2"))
-                f8 += 2.0 * N * cfg.num_experts_per_tok * per
+                per = 2.0 * N * cfg.num_experts_per_tok * sum(math.prod(m.proj_shape(p)) for p in ("w1", "w3", "w2"))
+                if m.fmt == "dense":
+                    f16 += per
+                else:
+                    f8 += per
             elif isinstance(m, Gate):
                 f16 += 2.0 * N * m.weight.numel()
             for bname, t in m.named_buffers(recurse=False):
