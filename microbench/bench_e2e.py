@@ -50,7 +50,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from microbench.bench_step import KINDS, floor_bytes
+from microbench.bench_step import KINDS, _sync, floor_bytes, timed_step
 from microbench.harness import _commit
 
 FLASH_LAYERS = {"sliding_attention": 2, "compressed_sparse_attention": 21, "heavily_compressed_attention": 20}
@@ -62,11 +62,6 @@ SGLANG_H200_TP4 = [  # SGLang cookbook / DSpark, V4-Flash, 4 x H200 TP4, ISL 819
 DECODE_PRIVATE = 64  # private tokens per decode request after the shared prefix
 SMALL = dict(hidden_size=64, num_attention_heads=4, n_routed_experts=8, moe_intermediate_size=64, q_lora_rank=64,
              o_groups=2, o_lora_rank=64, vocab_size=1000, index_n_heads=4, index_topk=8)
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 # ---------------------------------------------------------------------------- ceilings
@@ -375,11 +370,7 @@ def run_prefill(eng, prefix: list[int], a, ceil: dict, gc_) -> list[dict]:
                     prof = profiled_step(eng)
                     times.append(None)
                     continue
-                _sync(dev)
-                t = time.perf_counter()
-                eng.step()
-                _sync(dev)
-                times.append(time.perf_counter() - t)
+                times.append(timed_step(eng, dev))
             hit = eng.prefix.stats()["hit_tokens"] - hits0
             if hit != n_req * cached:
                 raise RuntimeError(f"deepfuse: bench_e2e: {hit} prefix-cache hit tokens, expected {n_req} x {cached}: "
@@ -438,14 +429,7 @@ def run_decode(eng, prefix: list[int], a, ceil: dict, mode: str, gc_) -> list[di
         eng.step()
         eng.step()  # warm-up
         spec0 = eng.stats()["spec"] if k else None
-        ts = []
-        for _ in range(a.steps):
-            _sync(dev)
-            t = time.perf_counter()
-            eng.step()
-            _sync(dev)
-            ts.append(time.perf_counter() - t)
-        step = statistics.median(ts)
+        step = statistics.median(timed_step(eng, dev) for _ in range(a.steps))
         tps = 1.0
         if k:
             st = eng.stats()["spec"]

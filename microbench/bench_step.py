@@ -31,6 +31,15 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def timed_step(eng, dev) -> float:
+    """Wall seconds of one engine step, the device synchronised before and after."""
+    _sync(dev)
+    t = time.perf_counter()
+    eng.step()
+    _sync(dev)
+    return time.perf_counter() - t
+
+
 def fill_caches(cache, g) -> None:
     """Random KV rows (and indexer keys) in every page and ring row of the cache."""
     from deepfuse import kv_format as F
@@ -190,14 +199,7 @@ def main(argv=None) -> int:
             eng.step()  # warm-up (with --spec: the first drafts)
             eng.step()
             spec0 = eng.stats()["spec"] if a.spec else None
-            ts = []
-            for _ in range(a.steps):
-                _sync(dev)
-                t = time.perf_counter()
-                eng.step()
-                _sync(dev)
-                ts.append(time.perf_counter() - t)
-            step = statistics.median(ts)
+            step = statistics.median(timed_step(eng, dev) for _ in range(a.steps))
             fl = floor_bytes(model, B, ctx)
             row = {"B": B, "context": ctx, "step_ms": step * 1e3, "floor_MB": fl / 1e6,
                    "graph_capture_s": eng.graph_capture_s}
