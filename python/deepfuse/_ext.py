@@ -51,7 +51,7 @@ def _check_device(index: int) -> None:
 
 
 # the _C functions that touch a device: they take device= (the device made current for the call)
-_ON_DEVICE = ("num_sms", "fp8_group_cast", "fp8_block_cast", "topk", "topk_plan", "kv_store", "indexer_key_store",
+_ON_DEVICE = ("num_sms", "topk", "topk_plan", "kv_store", "indexer_key_store",
               "kv_window_copy", "sparse_attention_paged", "sparse_attention_plan",
               "moe_route", "moe_experts", "fp8_linear", "hc_mix", "hc_post", "norm_rope", "compress_store",
               "state_store", "indexer_logits_paged")

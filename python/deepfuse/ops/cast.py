@@ -24,7 +24,6 @@ from deepfuse.ops._checks import check_aligned, check_choice, check_int, check_t
 E4M3_MAX = 448.0
 FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126
 _FP8 = torch.float8_e4m3fn
-_SCALE_KIND = {"fp32": 0, "ue8m0": 1, "ue8m0_packed": 2}
 
 
 # ----------------------------------------------------------------------------- references
@@ -148,10 +147,7 @@ def _(x, group, scale_fmt):
     q, s = _group_cast_outputs(x, group, scale_fmt)
     M, K = x.shape
     if M > 0:
-        C = _ext.ext(x.device)
-        ld = s.stride(1) if scale_fmt == "ue8m0_packed" else 0
-        C.fp8_group_cast(x.data_ptr(), x.dtype == torch.bfloat16, q.data_ptr(), s.data_ptr(),
-                         _SCALE_KIND[scale_fmt], M, K, x.stride(0), group, ld, _ext.stream(x.device))
+        _ext.ext(x.device).fp8_group_cast(x=x, q=q, scale=s, scale_fmt=scale_fmt, group=group)
     return q, s
 
 
@@ -178,9 +174,7 @@ def _(w, block_n, block_k, scale_fmt):
     q, s = _block_cast_outputs(w, block_n, block_k, scale_fmt)
     N, K = w.shape
     if N > 0 and K > 0:
-        C = _ext.ext(w.device)
-        C.fp8_block_cast(w.data_ptr(), w.dtype == torch.bfloat16, q.data_ptr(), s.data_ptr(),
-                         scale_fmt == "ue8m0", N, K, _ext.stream(w.device))
+        _ext.ext(w.device).fp8_block_cast(w=w, q=q, scale=s, scale_fmt=scale_fmt)
     return q, s
 
 
