@@ -90,3 +90,26 @@ def test_cast_launcher_rejects_mixed_devices():
     a = _cast_args(device="cuda")
     _ext._C.fp8_group_cast(**a)  # the same arguments on one device launch
     torch.cuda.synchronize()
+
+
+class _NoExchangeAPI(torch.Tensor):
+    """A tensor type without the DLPack C exchange API (as on torch < 2.10)."""
+    __dlpack_c_exchange_api__ = None
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, FP8, torch.int64, torch.bool])
+def test_tensor_arg_without_exchange_api(dt):
+    """Frameworks without the exchange API: the launcher reads the tensor's attributes instead."""
+    t = torch.zeros(6, 10, dtype=torch.float32).to(dt)[1:5, ::2].as_subclass(_NoExchangeAPI)
+    assert _ext._C.tensor_arg(t) == f"{str(dt).removeprefix('torch.')}[4, 5] on cpu"
+    x = torch.randn(8, 256).half().as_subclass(_NoExchangeAPI)
+    with pytest.raises(ValueError, match=r"argument 'x' must be bfloat16 or float32 \(got float16\[8, 256\] on cpu"):
+        _ext._C.fp8_group_cast(**{**_cast_args(), "x": x})
+
+
+def test_extension_does_not_link_libtorch():
+    """One wheel serves any torch version: _C needs no libtorch / libc10 symbols."""
+    import deepfuse._C as C
+    data = open(C.__file__, "rb").read()
+    for lib in (b"libtorch", b"libc10", b"libtorch_python"):
+        assert lib + b".so" not in data, f"_C links {lib.decode()}"
