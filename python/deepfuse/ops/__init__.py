@@ -43,6 +43,7 @@ from deepfuse.ops.moe import moe_experts, moe_route, swiglu
 from deepfuse.ops.kvcache import RowTarget
 from deepfuse.ops.norm import norm_rope, norm_rope_store, rms_norm
 from deepfuse.ops.rope import rope
+from deepfuse.ops.engram import engram_gate, engram_hash, engram_lookup
 
 __all__ = [
     "allow_reference",

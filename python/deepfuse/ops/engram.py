@@ -1,0 +1,298 @@
+"""Engram (DeepSeek V4.1): hashed n-gram memory read into the mHC streams of a few layers.
+
+Semantics (the references below define them; DeepSeek's release, inference/engram.py and
+inference/model.py of DeepSeek-V4.1-Flash, and tile-kernels' tile_kernels.torch.engram are
+the specification; docs/notes/v41.md cites them):
+- Compressed vocabulary (host): every token id maps to a smaller id space in which tokens
+  that normalise alike (NFKC, NFD, accents stripped, lowercase, whitespace runs -> one
+  space, stripped; a lone space kept) share an id. compressed_token_map(tokenizer).
+- Hash constants (host): per Engram layer l, multipliers [M] (M = max n-gram size): odd
+  int64 from numpy's default_rng(10007 * layer_id), bounded so id * multiplier fits int64
+  (bound derived from the compressed vocabulary size); per (n-gram order 2..M, head) a
+  distinct prime above engram_vocab_size - 1 (drawn in order over all layers, never
+  reused) and the running offset of its bucket range in the layer's table.
+- N-gram ids: column s of token t is the compressed id at position t - s; positions before
+  the sequence (or after a dead token, -1) take the pad id (the compressed id of the pad
+  token), and so do all further look-backs.
+- engram_hash(ngram_ids [N, M], multipliers [L, M], primes [L, C], offsets [L, C])
+  -> [N, L, C] int64, C = (M - 1) * H: h = XOR_{s<=i} ids[s] * mult[s]; column
+  (i - 1) * H + head = h mod prime + offset, for i = 1 .. M - 1.
+- engram_lookup(table [R, D] e4m3, scale [R, D / 32] UE8M0 bytes, ids [N, C])
+  -> [N, C, D] out_dtype: row values times 2^(scale - 127) per 32 columns. The table may
+  live on another device than ids (pinned host memory with ids on the GPU): rows are
+  gathered where the table is and returned on ids' device.
+- engram_gate(hidden [N, n, d], kv [N, n + 1, d], w_hidden [n, d], w_embed [n, d], clamp,
+  eps) -> [N, n, d] hidden.dtype: k = kv[:, :n], v = kv[:, n];
+  dot = <x w_h, k w_e> rsqrt(mean x^2 + eps) rsqrt(mean k^2 + eps) d^-0.5 per stream,
+  g = sigmoid(sign(dot) sqrt(max(|dot|, clamp))), out = x + g v (fp32 math).
+The projection wkv between lookup and gate is the model's Linear (rows flattened to
+C * D -> (n + 1) d).
+
+CUDA: no kernels yet. On CUDA the references run only where allowed (ops._fallback),
+else NoKernelError.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from deepfuse.ops._checks import check_tensor
+from deepfuse.ops._fallback import need_reference
+from deepfuse.ops._registry import op
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INTS = (torch.int32, torch.int64)
+SCALE_BLOCK = 32  # columns per UE8M0 scale of a table row
+DEAD = -1         # a history entry with no token (before the sequence)
+
+
+# ----------------------------------------------------------------------------- host helpers
+def compressed_token_map(tokenizer) -> tuple[np.ndarray, int]:
+    """(map [V] int64: token id -> compressed id, compressed vocabulary size) of a
+    `tokenizers.Tokenizer`, or of a tokenizer.json path / a folder holding one."""
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    if isinstance(tokenizer, (str, Path)):
+        p = Path(tokenizer)
+        tokenizer = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+    lone_space = "\ue000"  # private-use: keeps a token that is one space from stripping to ""
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), lone_space),
+        normalizers.Strip(), normalizers.Replace(lone_space, " "),
+    ])
+    V = tokenizer.get_vocab_size()
+    ids: dict[str, int] = {}
+    out = np.empty(V, dtype=np.int64)
+    for t in range(V):
+        text = tokenizer.decode([t], skip_special_tokens=False)
+        if "\ufffd" in text:  # part of a UTF-8 sequence: keyed by its raw token
+            key = tokenizer.id_to_token(t)
+        else:
+            key = norm.normalize_str(text) or text
+        out[t] = ids.setdefault(key, len(ids))
+    return out, len(ids)
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        r += 1
+    for a in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):  # deterministic below 3.3e24
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def hash_primes(num_layers: int, max_ngram: int, n_heads: int, vocab_size: int) -> np.ndarray:
+    """[L, (M - 1) * H] int64 bucket moduli: per layer, per n-gram order, per head the next
+    prime above the previous one of that order (starting at vocab_size - 1), never reused."""
+    seen: set[int] = set()
+    out = np.empty((num_layers, (max_ngram - 1) * n_heads), dtype=np.int64)
+    for layer in range(num_layers):
+        for order in range(max_ngram - 1):
+            cur = vocab_size - 1
+            for head in range(n_heads):
+                cur += 1
+                while not _is_prime(cur) or cur in seen:
+                    cur += 1
+                seen.add(cur)
+                out[layer, order * n_heads + head] = cur
+    return out
+
+
+def hash_offsets(primes: np.ndarray) -> np.ndarray:
+    """[L, C] int64 first row of each bucket range (exclusive prefix sums per layer)."""
+    return np.concatenate([np.zeros((primes.shape[0], 1), np.int64), np.cumsum(primes, axis=1)[:, :-1]], axis=1)
+
+
+def hash_multipliers(layer_ids, max_ngram: int, compressed_vocab_size: int) -> np.ndarray:
+    """[L, M] int64 odd multipliers, from default_rng(10007 * layer_id) per layer."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab_size) // 2)
+    rows = [np.random.default_rng(10007 * int(i)).integers(0, bound, size=(max_ngram,), dtype=np.int64) * 2 + 1
+            for i in layer_ids]
+    return np.stack(rows).astype(np.int64)
+
+
+def ngram_ids(cids: torch.Tensor, pad_id: int, max_ngram: int, history: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """N-gram windows of compressed ids: cids [B, T] (the ids at positions p0 .. p0 + T - 1,
+    -1 = dead) and history [B, M - 1] (the ids at p0 - M + 1 .. p0 - 1, -1 = none; None: the
+    sequence starts at p0) -> [B, T, M] int64, column s the id at t - s, pad_id from the first
+    missing or dead look-back on."""
+    B, T = cids.shape
+    if history is None:
+        history = cids.new_full((B, max_ngram - 1), DEAD)
+    seq = torch.cat([history.to(cids.dtype), cids], dim=1).long()  # [B, M - 1 + T]
+    cols, blocked = [], torch.zeros(B, T, dtype=torch.bool, device=cids.device)
+    for s in range(max_ngram):
+        src = seq[:, max_ngram - 1 - s: max_ngram - 1 - s + T]
+        blocked = blocked | (src < 0)
+        cols.append(torch.where(blocked, torch.full_like(src, pad_id), src))
+    return torch.stack(cols, dim=-1)
+
+
+# ----------------------------------------------------------------------------- engram_hash
+def engram_hash_ref(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+                    offsets: torch.Tensor) -> torch.Tensor:
+    L, M = multipliers.shape
+    H = primes.shape[1] // (M - 1)
+    prod = ngram.long().unsqueeze(1) * multipliers.long().unsqueeze(0)  # [N, L, M]
+    h = prod[..., 0]
+    out = []
+    for i in range(1, M):
+        h = torch.bitwise_xor(h, prod[..., i])
+        cols = slice((i - 1) * H, i * H)
+        out.append(h.unsqueeze(-1) % primes[:, cols].long() + offsets[:, cols].long())
+    return torch.cat(out, dim=-1)
+
+
+@op("engram_hash")
+def _engram_hash(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+                 offsets: torch.Tensor) -> torch.Tensor:
+    return engram_hash_ref(ngram, multipliers, primes, offsets)
+
+
+@_engram_hash.register_kernel("cuda")
+def _(ngram, multipliers, primes, offsets):
+    need_reference("engram_hash", "no CUDA kernel yet")
+    return engram_hash_ref(ngram, multipliers, primes, offsets)
+
+
+@_engram_hash.register_fake
+def _(ngram, multipliers, primes, offsets):
+    return ngram.new_empty(ngram.shape[0], multipliers.shape[0], primes.shape[1], dtype=torch.int64)
+
+
+def engram_hash(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+                offsets: torch.Tensor) -> torch.Tensor:
+    """Table rows [N, L, C] int64 of the n-gram windows ngram [N, M] (see module doc)."""
+    name = "engram_hash"
+    check_tensor(name, "ngram", ngram, dtypes=_INTS, ndim=2)
+    N, M = ngram.shape
+    if M < 2:
+        raise ValueError(f"deepfuse: {name}: ngram must have >= 2 columns (max n-gram size), got {M}")
+    check_tensor(name, "multipliers", multipliers, dtypes=(torch.int64,), shape=(None, M), device=ngram.device)
+    L = multipliers.shape[0]
+    check_tensor(name, "primes", primes, dtypes=(torch.int64,), ndim=2, device=ngram.device)
+    if primes.shape[0] != L or primes.shape[1] == 0 or primes.shape[1] % (M - 1):
+        raise ValueError(f"deepfuse: {name}: primes must have shape [{L}, (M - 1) * H] = [{L}, {M - 1} * H], "
+                         f"got {list(primes.shape)}")
+    check_tensor(name, "offsets", offsets, dtypes=(torch.int64,), shape=tuple(primes.shape), device=ngram.device)
+    return torch.ops.deepfuse.engram_hash(ngram, multipliers, primes, offsets)
+
+
+# ----------------------------------------------------------------------------- engram_lookup
+def engram_lookup_ref(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    N, C = ids.shape
+    D = table.shape[1]
+    flat = ids.reshape(-1).to(table.device, torch.int64)
+    vals = table.index_select(0, flat).float().unflatten(-1, (D // SCALE_BLOCK, SCALE_BLOCK))
+    exps = scale.view(torch.uint8).index_select(0, flat).float()
+    rows = (vals * torch.exp2(exps - 127.0).unsqueeze(-1)).flatten(-2)
+    return rows.view(N, C, D).to(out_dtype).to(ids.device)
+
+
+@op("engram_lookup")
+def _engram_lookup(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return engram_lookup_ref(table, scale, ids, out_dtype)
+
+
+@_engram_lookup.register_kernel("cuda")
+def _(table, scale, ids, out_dtype):
+    need_reference("engram_lookup", "no CUDA kernel yet")
+    return engram_lookup_ref(table, scale, ids, out_dtype)
+
+
+@_engram_lookup.register_fake
+def _(table, scale, ids, out_dtype):
+    return ids.new_empty(ids.shape[0], ids.shape[1], table.shape[1], dtype=out_dtype)
+
+
+def engram_lookup(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantised table rows [N, C, D] (out_dtype, on ids' device) of the rows ids [N, C]."""
+    name = "engram_lookup"
+    check_tensor(name, "table", table, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
+    R, D = table.shape
+    if D % SCALE_BLOCK:
+        raise ValueError(f"deepfuse: {name}: table rows must be a multiple of {SCALE_BLOCK} wide, got {D}")
+    scale_dtypes = (torch.uint8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
+    check_tensor(name, "scale", scale, dtypes=scale_dtypes, shape=(R, D // SCALE_BLOCK), device=table.device,
+                 contiguous=True)
+    check_tensor(name, "ids", ids, dtypes=_INTS, ndim=2)
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"deepfuse: {name}: out_dtype must be one of {_FLOATS}, got {out_dtype}")
+    return torch.ops.deepfuse.engram_lookup(table, scale.view(torch.uint8), ids, out_dtype)
+
+
+# ----------------------------------------------------------------------------- engram_gate
+def engram_gate_ref(hidden: torch.Tensor, kv: torch.Tensor, w_hidden: torch.Tensor, w_embed: torch.Tensor,
+                    clamp: float, eps: float) -> torch.Tensor:
+    n, d = hidden.shape[-2:]
+    x = hidden.float()
+    k = kv[:, :n].float()
+    v = kv[:, n].float()
+    rx = torch.rsqrt(x.square().mean(-1) + eps)
+    rk = torch.rsqrt(k.square().mean(-1) + eps)
+    dot = torch.einsum("...d,...d->...", x * w_hidden.float().unsqueeze(0), k * w_embed.float().unsqueeze(0))
+    dot = dot * rx * rk * d ** -0.5
+    gate = torch.sigmoid(dot.abs().clamp_min(clamp).sqrt() * dot.sign())
+    return (x + gate.unsqueeze(-1) * v.unsqueeze(-2)).to(hidden.dtype)
+
+
+@op("engram_gate")
+def _engram_gate(hidden: torch.Tensor, kv: torch.Tensor, w_hidden: torch.Tensor, w_embed: torch.Tensor, clamp: float,
+                 eps: float) -> torch.Tensor:
+    return engram_gate_ref(hidden, kv, w_hidden, w_embed, clamp, eps)
+
+
+@_engram_gate.register_kernel("cuda")
+def _(hidden, kv, w_hidden, w_embed, clamp, eps):
+    need_reference("engram_gate", "no CUDA kernel yet")
+    return engram_gate_ref(hidden, kv, w_hidden, w_embed, clamp, eps)
+
+
+@_engram_gate.register_fake
+def _(hidden, kv, w_hidden, w_embed, clamp, eps):
+    return torch.empty_like(hidden)
+
+
+def engram_gate(hidden: torch.Tensor, kv: torch.Tensor, w_hidden: torch.Tensor, w_embed: torch.Tensor,
+                clamp: float = 1e-6, eps: float = 1e-6) -> torch.Tensor:
+    """Streams hidden [N, n, d] plus the gated shared value of kv [N, n + 1, d] (module doc)."""
+    name = "engram_gate"
+    check_tensor(name, "hidden", hidden, dtypes=_FLOATS, ndim=3)
+    N, n, d = hidden.shape
+    check_tensor(name, "kv", kv, dtypes=_FLOATS, shape=(N, n + 1, d), device=hidden.device)
+    check_tensor(name, "w_hidden", w_hidden, dtypes=_FLOATS, shape=(n, d), device=hidden.device)
+    check_tensor(name, "w_embed", w_embed, dtypes=_FLOATS, shape=(n, d), device=hidden.device)
+    for arg, v in (("clamp", clamp), ("eps", eps)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+            raise ValueError(f"deepfuse: {name}: {arg} must be a float >= 0, got {v!r}")
+    return torch.ops.deepfuse.engram_gate(hidden, kv, w_hidden, w_embed, float(clamp), float(eps))
+
+
+def to_host(t: torch.Tensor, pin: Optional[bool] = None) -> torch.Tensor:
+    """A host copy of a table tensor, page-locked when CUDA is present (pin=None) so a GPU can
+    read it over UVA; pin=False keeps it pageable."""
+    h = t.detach().to("cpu")
+    if pin is None:
+        pin = torch.cuda.is_available()
+    return h.pin_memory() if pin else h
+
