@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from deepfuse import ops
+from deepfuse import _ext, ops
 from deepfuse import kv_format as F
 from deepfuse.ops import attention as A
 from deepfuse.ops import cast as C
@@ -265,6 +265,87 @@ def test_plan_validation():
     assert A.sparse_attention_plan(6, 64, 100, rows_per_request=3).group_rows == 1
 
 
+# ----------------------------------------------------------------------------- CPU: the C++ launcher's checks
+needs_ext = pytest.mark.skipif(not _ext.has_cuda_kernels(), reason="needs the compiled extension")
+BF16 = torch.bfloat16
+
+
+def _launch_args(T=2, H=64, K=3, mx=False, splits=1, device="cpu"):
+    """Valid keyword arguments of _C.sparse_attention_paged (two FP8 sources, RoPE tables)."""
+    a = dict(q=torch.zeros(T, H, 512, dtype=BF16), kv=torch.zeros(2, 16 * 584, dtype=torch.uint8),
+             indices=torch.zeros(T, K, dtype=torch.int32), lengths=torch.full((T,), K, dtype=torch.int32),
+             extra_kv=torch.zeros(3, 32 * 584, dtype=torch.uint8), extra_indices=torch.zeros(T, 5, dtype=torch.int64),
+             extra_lengths=None, sink=torch.zeros(H), scale=0.1, cos=torch.zeros(T, 32), sin=torch.zeros(T, 32),
+             out=torch.empty(T, H * 512, dtype=FP8) if mx else torch.empty(T, H, 512, dtype=BF16),
+             out_scale=torch.empty(T, H * 16, dtype=torch.uint8) if mx else None, lse=torch.empty(T, H),
+             group_rows=1, splits=splits)
+    if splits > 1:
+        a.update(ws_o=torch.empty(splits, T, H, 512), ws_ml=torch.empty(splits, T, H, 2))
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+
+
+@needs_ext
+@pytest.mark.parametrize("change,match", [
+    (dict(q=torch.zeros(2, 64, 512)), r"argument 'q' must be bfloat16 \(got float32\[2, 64, 512\] on cpu\)"),
+    (dict(q=torch.zeros(2, 64, 256, dtype=BF16)), "argument 'q' must have size 512 in dim 2"),
+    (dict(q=torch.zeros(2, 32, 512, dtype=BF16)), "argument 'q' must have 64 or 128 heads"),
+    (dict(q=torch.zeros(2, 64, 1024, dtype=BF16)[..., ::2]), "argument 'q' must have stride 1 in its last dim"),
+    (dict(kv=torch.zeros(2, 16 * 584, dtype=torch.int16)), "argument 'kv' must be uint8 or bfloat16"),
+    (dict(kv=torch.zeros(2, 16 * 584 + 1, dtype=torch.uint8)), "argument 'kv' must be FP8 pages"),
+    (dict(kv=torch.zeros(2, 8 * 584, dtype=torch.uint8)), "page_size a multiple of 16"),
+    (dict(kv=torch.zeros(2, 16, 256, dtype=BF16)), r"argument 'kv' must have shape \[\*, \*, 512\]"),
+    (dict(kv=torch.zeros(2, 16, 512, dtype=BF16).transpose(0, 1)), "argument 'kv' must be contiguous"),
+    (dict(indices=torch.zeros(2, 3)), "argument 'indices' must be int32 or int64"),
+    (dict(indices=torch.zeros(3, 3, dtype=torch.int32)), r"argument 'indices' must have shape \[2, \*\]"),
+    (dict(lengths=torch.zeros(3, dtype=torch.int32)), r"argument 'lengths' must have shape \[2\]"),
+    (dict(extra_lengths=torch.zeros(2)), "argument 'extra_lengths' must be int32 or int64"),
+    (dict(extra_indices=None), "argument 'extra_indices' is required"),
+    (dict(extra_kv=None), "argument 'extra_indices' must be None without extra_kv"),
+    (dict(sink=torch.zeros(63)), r"argument 'sink' must have shape \[64\]"),
+    (dict(sink=torch.zeros(64, dtype=BF16)), "argument 'sink' must be float32"),
+    (dict(cos=torch.zeros(2, 300), sin=torch.zeros(2, 300)), "argument 'cos' must have at most 256 columns"),
+    (dict(sin=torch.zeros(2, 16)), r"argument 'sin' must have shape \[2, 32\]"),
+    (dict(cos=None), "argument 'sin' must be None without cos"),
+    (dict(out=torch.empty(2, 64, 512)), "argument 'out' must be bfloat16 or float8_e4m3fn"),
+    (dict(out=torch.empty(2, 64, 256, dtype=BF16)), r"argument 'out' must have shape \[2, 64, 512\]"),
+    (dict(out=torch.empty(2, 64 * 512, dtype=FP8)), "argument 'out_scale' is required"),
+    (dict(out_scale=torch.empty(2, 64 * 16, dtype=torch.uint8)), "argument 'out_scale' must be None"),
+    (dict(lse=torch.empty(2, 32)), r"argument 'lse' must have shape \[2, 64\]"),
+    (dict(group_rows=3), "argument 'group_rows' must be 1, 2 or 4"),
+    (dict(splits=0), r"argument 'splits' must be in \[1, 65535\]"),
+    (dict(splits=2), "argument 'ws_o' is required"),
+    (dict(splits=2, ws_o=torch.empty(2, 2, 64, 512), ws_ml=torch.empty(2, 2, 64, 3)),
+     r"argument 'ws_ml' must have shape \[2, 2, 64, 2\]"),
+    (dict(), "argument 'q' must be a CUDA tensor"),
+])
+def test_launcher_rejects_dtype_shape_and_device(change, match):
+    """_C.sparse_attention_paged checks every tensor (behind the op's Python checks) before any
+    launch; dtype and shape errors come before the device check, so a CPU call reaches them."""
+    with pytest.raises(ValueError, match=match):
+        _ext._C.sparse_attention_paged(**{**_launch_args(), **change})
+
+
+@needs_ext
+def test_launcher_valid_arguments_reach_the_device_check():
+    for kw in (dict(mx=True), dict(splits=3), dict(H=128, T=5, K=0)):
+        with pytest.raises(ValueError, match="argument 'q' must be a CUDA tensor"):
+            _ext._C.sparse_attention_paged(**_launch_args(**kw))
+    with pytest.raises(TypeError):  # keywords only
+        _ext._C.sparse_attention_paged(*_launch_args().values())
+
+
+@needs_ext
+@pytest.mark.parametrize("change,match", [
+    (dict(group_rows=3), "argument 'group_rows' must be 1, 2 or 4"),
+    (dict(T=-1), "argument 'T' must be in"),
+    (dict(H=0), "argument 'H' must be in"),
+    (dict(K_total=-5), "argument 'K_total' must be in"),
+])
+def test_plan_launcher_rejects_arguments(change, match):
+    with pytest.raises(ValueError, match=match):
+        _ext._C.sparse_attention_plan(**{**dict(T=4, H=64, K_total=100, group_rows=1, device=0), **change})
+
+
 # ----------------------------------------------------------------------------- GPU
 def _run_case(H, G, T, K1, K2, dtypes=("fp8", "fp8"), lens=True, rope=True, out_format="bf16", splits=0, seed=0,
               oob=False, ps=(64, 16), idx64=False, q_scale=1.0):
@@ -445,6 +526,20 @@ def test_gpu_cuda_graph():
     vmax = max(float(deq1.abs().nan_to_num(0).max()), float(deq2.abs().nan_to_num(0).max()))
     assert bool(((out.cpu().float() - ro).abs() <= 2.0**-7 * (vmax + ro.abs())).all())
     torch.testing.assert_close(lse.cpu(), rl, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_rejects_mixed_devices():
+    a = _launch_args(device="cuda")
+    with pytest.raises(ValueError, match="argument 'sink' must be a CUDA tensor"):
+        _ext._C.sparse_attention_paged(**{**a, "sink": a["sink"].cpu()})
+    with pytest.raises(ValueError, match="argument 'extra_indices' must be a CUDA tensor"):
+        _ext._C.sparse_attention_paged(**{**a, "extra_indices": a["extra_indices"].cpu()})
+    for kw in (dict(), dict(mx=True, splits=2)):
+        _ext._C.sparse_attention_paged(**_launch_args(device="cuda", **kw))  # the same arguments on one device run
+    torch.cuda.synchronize()
+    pl = _ext._C.sparse_attention_plan(T=4, H=64, K_total=640, group_rows=2, device=torch.cuda.current_device())
+    assert set(pl) == {"group_rows", "splits", "ctas", "blocks"} and pl["group_rows"] == 2 and pl["blocks"] == 20
 
 
 @pytest.mark.gpu

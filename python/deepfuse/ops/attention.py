@@ -248,25 +248,25 @@ def sparse_attention_plan(T: int, H: int, K: int, *, rows_per_request: int = 1, 
     dev = torch.device(device) if device is not None else (torch.device("cuda") if torch.cuda.is_available() else None)
     if dev is None or dev.type != "cuda" or not _ext.has_cuda_kernels() or H not in _CUDA_H:
         return SparseAttentionPlan(G, 1)
-    with torch.cuda.device(dev):
-        G, splits, _, _ = _ext.ext(dev).sparse_attention_plan(int(T), int(H), int(K), int(G))
-    return SparseAttentionPlan(G, splits)
+    e = _ext.ext(dev)
+    pl = e.sparse_attention_plan(T=int(T), H=int(H), K_total=int(K), group_rows=int(G), device=e.index)
+    return SparseAttentionPlan(pl["group_rows"], pl["splits"])
 
 
-def _cuda_source(op, name, src, ps, idx, lens):
-    if src.dtype == torch.uint8:
-        fp8, page_bytes = 1, ps * _KVF.KV_ROW_BYTES
-    elif src.dtype == torch.bfloat16:
-        fp8, page_bytes = 0, ps * _KVF.KV_DIM * 2
-    else:
+def _check_cuda_source(op, name, src, ps):
+    """The kernel reads the page size from the pages' shape: it must be the one passed."""
+    if src.dtype not in _CUDA_PAGES:
         raise ValueError(f"deepfuse: {op}: {name} must be FP8 (uint8) or bf16 pages on CUDA, got {src.dtype}")
+    fp8 = src.dtype == torch.uint8
+    if src.shape[1:] != ((ps * _KVF.KV_ROW_BYTES,) if fp8 else (ps, _KVF.KV_DIM)):
+        raise ValueError(f"deepfuse: {op}: {name} pages of {ps} rows must be "
+                         f"{f'uint8 [P, {ps * _KVF.KV_ROW_BYTES}]' if fp8 else f'bf16 [P, {ps}, {_KVF.KV_DIM}]'}, "
+                         f"got {list(src.shape)}")
     n = src.shape[0] * ps
     if n >= 2**31:
         raise ValueError(f"deepfuse: {op}: {name} has {n} slots; the CUDA kernel takes < 2^31")
     if src.data_ptr() % 16:
         raise ValueError(f"deepfuse: {op}: {name} must be 16-byte aligned")
-    return (src.data_ptr(), n, page_bytes, ps, fp8, idx.data_ptr(), int(idx.dtype == torch.int64), idx.shape[1],
-            lens.data_ptr() if lens is not None else 0, int(lens is not None and lens.dtype == torch.int64))
 
 
 @_sparse_attention_paged.register_kernel("cuda")
@@ -294,12 +294,11 @@ def _(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_s
         out_s = q.new_empty(0, dtype=torch.uint8)
     if T == 0:
         return out, out_s, lse
-    s0 = _cuda_source(op, "kv", kv, kv_page_size, indices, lengths)
+    _check_cuda_source(op, "kv", kv, kv_page_size)
+    K_all = indices.shape[1]
     if extra_kv is not None:
-        s1 = _cuda_source(op, "extra_kv", extra_kv, extra_page_size, extra_indices, extra_lengths)
-    else:
-        s1 = (0, 0, 0, 16, 0, 0, 0, 0, 0, 0)
-    K_all = s0[7] + s1[7]
+        _check_cuda_source(op, "extra_kv", extra_kv, extra_page_size)
+        K_all += extra_indices.shape[1]
     splits = int(num_splits)
     if splits <= 0:
         G = int(rows_per_group)
@@ -307,18 +306,16 @@ def _(q, kv, kv_page_size, indices, sink, scale, lengths, extra_kv, extra_page_s
     splits = max(1, min(splits, max(1, -(-K_all // 32))))
     ws_o = ws_ml = None
     if splits > 1:
-        ws = torch.empty(splits * T * H * (D + 2), dtype=torch.float32, device=q.device)
-        ws_o, ws_ml = ws[:splits * T * H * D], ws[splits * T * H * D:]
-    rp = 0
+        n = splits * T * H * D
+        ws = torch.empty(n + splits * T * H * 2, dtype=torch.float32, device=q.device)
+        ws_o, ws_ml = ws[:n].view(splits, T, H, D), ws[n:].view(splits, T, H, 2)
     if cos is not None:
         cos, sin = cos.contiguous(), sin.contiguous()
-        rp = cos.shape[1]
     _ext.ext(q.device).sparse_attention_paged(
-        q.data_ptr(), q.stride(0), q.stride(1), T, H, s0, s1, sink.contiguous().data_ptr(),
-        float(scale) * 1.4426950408889634, cos.data_ptr() if cos is not None else 0,
-        sin.data_ptr() if sin is not None else 0, rp, mx, out.data_ptr(), out_s.data_ptr() if mx else 0,
-        lse.data_ptr(), int(rows_per_group), splits, ws_o.data_ptr() if ws_o is not None else 0,
-        ws_ml.data_ptr() if ws_ml is not None else 0, _ext.stream(q.device))
+        q=q, kv=kv, indices=indices, lengths=lengths, extra_kv=extra_kv, extra_indices=extra_indices,
+        extra_lengths=extra_lengths, sink=sink.contiguous(), scale=float(scale), cos=cos, sin=sin, out=out,
+        out_scale=out_s if mx else None, lse=lse, group_rows=int(rows_per_group), splits=splits, ws_o=ws_o,
+        ws_ml=ws_ml)
     return out, out_s, lse
 
 

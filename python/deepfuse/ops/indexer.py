@@ -137,10 +137,12 @@ def _(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale):
         qc, wc = q.contiguous(), weights.float().contiguous()
         if entry_slots.stride(1) != 1:
             entry_slots = entry_slots.contiguous()
+        if pages.dim() != 2 or pages.shape[1] != page_size * F.IDX_ROW_BYTES:  # the kernel reads the page size
+            raise ValueError(f"deepfuse: indexer_logits_paged: pages of {page_size} rows must be uint8 "
+                             f"[P, {page_size * F.IDX_ROW_BYTES}], got {list(pages.shape)}")
         _ext.ext(q.device).indexer_logits_paged(
-            qc.data_ptr(), wc.data_ptr(), pages.data_ptr(), pages.shape[1], pages.shape[0], page_size,
-            entry_slots.data_ptr(), entry_slots.stride(0), token_req.contiguous().data_ptr(),
-            n_vis.contiguous().data_ptr(), N, C, float(scale), out.data_ptr(), _ext.stream(q.device))
+            q=qc, weights=wc, pages=pages, entry_slots=entry_slots, token_req=token_req.contiguous(),
+            n_vis=n_vis.contiguous(), scale=float(scale), out=out)
     return out
 
 
