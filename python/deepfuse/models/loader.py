@@ -27,6 +27,8 @@ from .config import V4Config
 from .linear import Linear, slots
 from .model import V4Model
 from .moe import Experts
+from .v41 import V41Model, token_map_for
+from .v41_config import V41Config, is_v41
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _PACKED = tuple(t for t in (getattr(torch, "float4_e2m1fn_x2", None), torch.int8, torch.uint8) if t is not None)
@@ -38,6 +40,7 @@ _ALIASES = {
     "hc_head.hc_base": "hc_head_base",
     "hc_head.hc_scale": "hc_head_scale",
 }
+_V41_SKIP = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 _KV_NORM = re.compile(r"^((?:layers|mtp)\.\d+\.attn)\.norm\.weight$")
 
 
@@ -143,9 +146,12 @@ def _scale(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Loader:
-    def __init__(self, reader: _Reader, device, dtype, dequantize: bool, bar):
+    def __init__(self, reader: _Reader, device, dtype, dequantize: bool, bar, block: int = 128,
+                 engram_placement: str = "device"):
         self.r, self.device, self.dtype, self.dequantize, self.bar = reader, device, dtype, dequantize, bar
         self.missing: list[str] = []
+        self.block = block  # FP8 weight block edge (V4: 128; V4.1: 32, dequantised at load)
+        self.engram_placement = engram_placement
 
     def tick(self, n=1):
         if self.bar is not None:
@@ -221,6 +227,13 @@ class _Loader:
         if sk not in self.r:
             raise CheckpointError(f"deepfuse: {fmt} weight {wk!r} ({self.r.origin(wk)}) has no scale tensor {sk!r}")
         s = self.r.get(sk)
+        small = (-(-N // self.block), -(-K // self.block))
+        if fmt == "fp8" and self.block != 128 and tuple(s.shape) == small:
+            # FP8 with block x block scales (V4.1: 32): no kernel reads them; dense at load
+            s = _scale(s)
+            s = torch.exp2(s.float() - 127.0) if s.dtype == torch.uint8 else s
+            s = s.repeat_interleave(self.block, 0)[:N].repeat_interleave(self.block, 1)[:, :K]
+            return (w.float() * s).to(self.device).to(dense_dtype or self.dtype), None, "dense"
         if tuple(s.shape) != grid:
             raise self.shape_error(sk, f"{list(grid)} (scales of the {fmt} weight {wk})", list(s.shape))
         w = w.to(self.device)
@@ -340,27 +353,38 @@ def count_tensors(model: nn.Module) -> int:
 
 
 def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize: bool = False,
-         progress: Optional[bool] = None, config: Optional[V4Config] = None, parallel=None) -> V4Model:
-    """Build the V4 graph from a checkpoint directory (config.json + *.safetensors).
+         progress: Optional[bool] = None, config: Optional[V4Config] = None, parallel=None, tokenizer=None):
+    """Build the V4 (or V4.1: models/v41.py) graph from a checkpoint directory (config.json +
+    *.safetensors).
 
     device / dtype: where the weights live and the activation dtype (bf16 or fp32; norms,
     mHC, sinks and router stay fp32). FP8 / MXFP4 weights stay quantised unless
     dequantize=True. progress: tqdm bar (default: on for checkpoints over 1 GB).
     parallel: a models.parallel.ParallelConfig: build and read only rank parallel.rank's
-    part of the model (its heads, experts and vocab rows; see models/parallel.py)."""
+    part of the model (its heads, experts and vocab rows; see models/parallel.py).
+    V4.1: tokenizer (a tokenizer.json path or folder; default the checkpoint's own, else the
+    bundled V4 tokenizer) gives the Engram token map; config.engram_placement places the
+    Engram tables ("device" or "host")."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"deepfuse: checkpoint directory {path} does not exist")
     if dtype not in _FLOATS:
         raise ValueError(f"deepfuse: dtype must be one of {_FLOATS}, got {dtype}")
+    if config is None and (path / "config.json").is_file():
+        with open(path / "config.json") as f:
+            if is_v41(json.load(f)):
+                config = V41Config.from_json(path)
     cfg = config if config is not None else V4Config.from_json(path)
+    v41 = isinstance(cfg, V41Config)
+    if v41 and parallel is not None and parallel.world_size > 1:
+        raise ValueError("deepfuse: tensor / expert parallel loading of V4.1 checkpoints is not built")
     device = torch.device(device)
     reader = _Reader(shard_files(path))
     if cfg.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in reader.where):
         # transformers' save_pretrained drops the MTP layers: build the graph without them
         warnings.warn(f"deepfuse: {path} has no mtp.* tensors; loading without the MTP layer(s)", stacklevel=2)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0, mtp_layer_types=[])
-    model = V4Model(cfg)
+    model = V41Model(cfg) if v41 else V4Model(cfg)
     model.dtype = dtype
     if parallel is not None and parallel.world_size > 1:
         from .parallel import shard_modules
@@ -373,7 +397,13 @@ def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=count_tensors(model), desc=f"loading {path.name}", unit="tensor")
-    ld = _Loader(reader, device, dtype, dequantize, bar)
+    if v41:
+        for k in reader.where:  # vision tower, aligner, image embeddings, VL routing bias: text-only here
+            if k.startswith(_V41_SKIP) or k.endswith(".gate.bias_vl"):
+                reader.skip(k)
+        ld = _Loader(reader, device, dtype, dequantize, bar, cfg.weight_block_size, cfg.engram_placement)
+    else:
+        ld = _Loader(reader, device, dtype, dequantize, bar)
     try:
         for prefix, mod in model.named_modules():
             dot = prefix + "." if prefix else ""
@@ -388,6 +418,8 @@ def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize:
                     mod.set_weight(*got)
             elif isinstance(mod, Experts):
                 ld.experts(prefix, mod)
+            elif hasattr(mod, "load_checkpoint"):
+                mod.load_checkpoint(ld, prefix)
     finally:
         if bar is not None:
             bar.close()
@@ -402,6 +434,8 @@ def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize:
         warnings.warn(f"deepfuse: {len(unused)} checkpoint tensors are not used by the graph: "
                       f"{', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}", stacklevel=2)
     _check_tid2eid(model)
+    if v41 and model.engram_hasher is not None:
+        model.set_token_map(*token_map_for(tokenizer if tokenizer is not None else path))
     return model.eval()
 
 

