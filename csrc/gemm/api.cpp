@@ -1,46 +1,85 @@
-// deepfuse._C launchers of the gemm family (untyped form, being converted to TensorArg).
+// deepfuse._C launchers of the gemm family: the block-scaled FP8 / MXFP4 linear.
+#include <string>
+
 #include "common/api.h"
-#include "common/legacy_launch.h"
 #include "gemm/fp8_linear.h"
 
 namespace deepfuse {
 
-using namespace legacy;
+namespace api {
 
 namespace {
 
-// linear problem = (M, K, N, mxfp4, w, scale, scale_u8, groups)
-deepfuse::LinearProblem linear_problem(const py::tuple& t) {
-  if (t.size() != 8) throw std::invalid_argument("deepfuse: fp8_linear: problem needs 8 fields");
-  deepfuse::LinearProblem p;
-  p.M = t[0].cast<int64_t>();
-  p.K = t[1].cast<int>();
-  p.N = t[2].cast<int>();
-  p.mxfp4 = t[3].cast<bool>();
-  p.w = P<const void>(t[4].cast<ptr_t>());
-  p.scale = P<const void>(t[5].cast<ptr_t>());
-  p.scale_u8 = t[6].cast<bool>();
-  p.groups = t[7].cast<int>();
+constexpr int64_t kMaxK = 16384;  // csrc/gemm/grouped_gemm_sm90.cuh (kMaxKChunks)
+
+// x [M, K] (dense) or [M, G, K] (block-diagonal: w [G * N, K]) times w -> LinearProblem. The
+// weight format comes from w's dtype: fp8 e4m3 [rows, K] with scales [ceil(rows/128),
+// ceil(K/128)] fp32 / uint8 UE8M0, or mxfp4 packed uint8 [rows, K/2] with uint8 scales [rows, K/32].
+LinearProblem linear_problem(const char* op, const TensorArg& x, const TensorArg& w, const TensorArg& w_scale) {
+  Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).contiguous().aligned(16);
+  if (x.ndim != 2 && x.ndim != 3) Check(op, "x", x).fail("must have 2 dims ([M, K]) or 3 ([M, groups, K])");
+  const int64_t M = x.size(0), K = x.size(-1), groups = x.ndim == 3 ? x.size(1) : 0;
+  if (K % 32 || K > kMaxK) Check(op, "x", x).fail("must have K % 32 == 0 and K <= 16384 (the kernels' limits)");
+  if (x.ndim == 3 && groups < 1) Check(op, "x", x).fail("must have at least one group");
+  Check(op, "w", w).dtype({DType::kF8E4M3, DType::kU8, DType::kF4x2}).dim(2);
+  const bool mx = w.dtype != DType::kF8E4M3;
+  const int64_t rows = w.size(0);
+  if (groups > 0 && rows % groups)
+    Check(op, "w", w).fail("must have a multiple of the " + std::to_string(groups) + " groups of x as rows");
+  const int64_t N = groups > 0 ? rows / groups : rows;
+  if (mx && K % 128) Check(op, "x", x).fail("must have K % 128 == 0 for an mxfp4 w");
+  if (!mx && groups > 0 && N % 128) Check(op, "w", w).fail("(fp8, grouped) must have a multiple of 128 rows per group");
+  Check(op, "w", w).shape({rows, mx ? K / 2 : K}).contiguous().aligned(16);
+  if (mx) Check(op, "w_scale", w_scale).dtype(DType::kU8).shape({rows, K / 32}).contiguous().aligned(4);
+  else Check(op, "w_scale", w_scale).dtype({DType::kF32, DType::kU8}).shape({(rows + 127) / 128, (K + 127) / 128})
+      .contiguous();
+  LinearProblem p;
+  p.M = M, p.K = static_cast<int>(K), p.N = static_cast<int>(N), p.mxfp4 = mx;
+  p.w = w.data, p.scale = w_scale.data, p.scale_u8 = w_scale.dtype == DType::kU8, p.groups = static_cast<int>(groups);
   return p;
 }
 
 }  // namespace
 
+// Workspace bytes fp8_linear needs for x times w on x's device (its SM count sets the K splits).
+int64_t fp8_linear_workspace_bytes(const TensorArg& x, const TensorArg& w, const TensorArg& w_scale) {
+  const char* op = "fp8_linear_workspace_bytes";
+  const LinearProblem p = linear_problem(op, x, w, w_scale);
+  check_same_cuda_device(op, {{"x", x}, {"w", w}, {"w_scale", w_scale}});
+  DeviceScope scope(op, "x", x);
+  return deepfuse::fp8_linear_workspace_bytes(p);
+}
+
+// x [M, K] -> out [M, N], or x [M, G, K] -> out [M, G, N]; bf16 / fp32 in and out.
+void fp8_linear(const TensorArg& x, const TensorArg& w, const TensorArg& w_scale, const TensorArg& out,
+                const TensorArg& workspace) {
+  const char* op = "fp8_linear";
+  const LinearProblem p = linear_problem(op, x, w, w_scale);
+  Check co(op, "out", out);
+  co.dtype({DType::kBF16, DType::kF32});
+  if (p.groups > 0) co.shape({p.M, p.groups, p.N});
+  else co.shape({p.M, p.N});
+  co.contiguous();
+  Check(op, "workspace", workspace).dtype(DType::kU8).dim(1).contiguous().aligned(16);
+  check_same_cuda_device(op, {{"x", x}, {"w", w}, {"w_scale", w_scale}, {"out", out}, {"workspace", workspace}});
+  if (p.M == 0 || p.N == 0) return;
+  DeviceScope scope(op, "x", x);
+  const int64_t need = deepfuse::fp8_linear_workspace_bytes(p);
+  if (workspace.numel() < need)
+    Check(op, "workspace", workspace)
+        .fail("must hold at least " + std::to_string(need) + " bytes (fp8_linear_workspace_bytes)");
+  deepfuse::fp8_linear(p, x.data, x.dtype == DType::kBF16, out.data, out.dtype == DType::kBF16, workspace.data,
+                       as_cuda_stream(scope));
+}
+
+}  // namespace api
+
 void register_gemm(py::module_& m) {
-  m.def(
-      "fp8_linear_workspace_bytes",
-      [](py::tuple problem) { return deepfuse::fp8_linear_workspace_bytes(linear_problem(problem)); },
-      py::arg("problem"));
-  m.def(
-      "fp8_linear",
-      [](py::tuple problem, ptr_t x, bool x_bf16, ptr_t out, bool out_bf16, ptr_t workspace, ptr_t stream,
-         int device) {
-        DeviceGuard guard(device);
-        deepfuse::fp8_linear(linear_problem(problem), P<const void>(x), x_bf16, P(out), out_bf16, P(workspace),
-                             deepfuse::as_stream(stream));
-      },
-      py::arg("problem"), py::arg("x"), py::arg("x_bf16"), py::arg("out"), py::arg("out_bf16"), py::arg("workspace"),
-      py::arg("stream"), py::arg("device") = -1);
+  m.def("fp8_linear_workspace_bytes", &api::fp8_linear_workspace_bytes, py::kw_only(), py::arg("x"), py::arg("w"),
+        py::arg("w_scale"), "workspace bytes fp8_linear needs for x times w (on x's device)");
+  m.def("fp8_linear", &api::fp8_linear, py::kw_only(), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("out"),
+        py::arg("workspace"),
+        "x [M, K] or [M, groups, K] bf16 / fp32 times fp8 / mxfp4 w -> out [M, N] or [M, groups, N] bf16 / fp32");
 }
 
 }  // namespace deepfuse

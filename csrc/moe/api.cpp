@@ -1,75 +1,180 @@
-// deepfuse._C launchers of the moe family (untyped form, being converted to TensorArg).
+// deepfuse._C launchers of the moe family: router, fused routed (+ shared) experts.
+#include <string>
+
 #include "common/api.h"
-#include "common/legacy_launch.h"
 #include "moe/moe.h"
 
 namespace deepfuse {
 
-using namespace legacy;
+namespace api {
 
 namespace {
 
-// problem = (T, d, inter, E, k, fmt, limit, (w1, s1, u8), (w3, s3, u8), (w2, s2, u8), shared),
-// shared = None or ((w1, s1, u8), (w3, s3, u8), (w2, s2, u8)) of an fp8 shared expert.
-deepfuse::MoeProblem moe_problem(const py::tuple& t) {
-  if (t.size() != 11) throw std::invalid_argument("deepfuse: moe: problem needs 11 fields");
-  auto wt = [](const py::handle& h) {
-    const py::tuple x = h.cast<py::tuple>();
-    deepfuse::ExpertWeight w;
-    w.w = P<const void>(x[0].cast<ptr_t>());
-    w.scale = P<const void>(x[1].cast<ptr_t>());
-    w.scale_u8 = x[2].cast<bool>();
-    return w;
-  };
-  deepfuse::MoeProblem p;
-  p.T = t[0].cast<int>();
-  p.d = t[1].cast<int>();
-  p.inter = t[2].cast<int>();
-  p.E = t[3].cast<int>();
-  p.k = t[4].cast<int>();
-  p.fmt = static_cast<deepfuse::WeightFmt>(t[5].cast<int>());
-  p.limit = t[6].cast<float>();
-  p.w1 = wt(t[7]);
-  p.w3 = wt(t[8]);
-  p.w2 = wt(t[9]);
-  if (!t[10].is_none()) {
-    const py::tuple s = t[10].cast<py::tuple>();
-    p.has_shared = true;
-    p.sw1 = wt(s[0]);
-    p.sw3 = wt(s[1]);
-    p.sw2 = wt(s[2]);
-  }
-  return p;
+constexpr int64_t kRouteMaxE = 1024, kRouteMaxK = 32;  // csrc/moe/moe_route.cu
+constexpr int64_t kMaxExperts = 2046;                   // routed + shared (csrc/moe/moe_experts.cu)
+constexpr int64_t kMaxDim = 8192;                       // d and inter
+
+[[noreturn]] void bad_arg(const char* op, const char* name, const std::string& what) {
+  throw std::invalid_argument(std::string("deepfuse.") + op + ": argument '" + name + "' " + what);
+}
+
+int64_t ceil128(int64_t n) { return (n + 127) / 128; }
+
+ScoreFunc score_func_of(const char* op, const std::string& s) {
+  if (s == "sqrtsoftplus") return ScoreFunc::kSqrtSoftplus;
+  if (s == "sigmoid") return ScoreFunc::kSigmoid;
+  if (s == "softmax") return ScoreFunc::kSoftmax;
+  bad_arg(op, "score_func", "must be sqrtsoftplus, sigmoid or softmax (got " + s + ")");
+}
+
+// One projection of E stacked experts, logical [E, N, K]: fp8 e4m3 [E, N, K] with block scales
+// [E, ceil(N/128), ceil(K/128)] fp32 / uint8 UE8M0, or mxfp4 packed [E, N, K/2] with uint8
+// scales [E, N, K/32]. E < 0: a single (shared) expert, [N, K] and 2-D scales.
+ExpertWeight expert_weight(const char* op, const char* wname, const TensorArg& w, const char* sname,
+                           const TensorArg& s, WeightFmt fmt, int64_t E, int64_t N, int64_t K) {
+  const bool mx = fmt == WeightFmt::kMxfp4;
+  Check cw(op, wname, w);
+  if (mx) cw.dtype({DType::kU8, DType::kF4x2});
+  else cw.dtype(DType::kF8E4M3);
+  const int64_t Kw = mx ? K / 2 : K;
+  if (E >= 0) cw.shape({E, N, Kw});
+  else cw.shape({N, Kw});
+  cw.contiguous().aligned(16);
+  Check cs(op, sname, s);
+  if (mx) cs.dtype(DType::kU8).aligned(4);
+  else cs.dtype({DType::kF32, DType::kU8});
+  const int64_t r = mx ? N : ceil128(N), c = mx ? K / 32 : ceil128(K);
+  if (E >= 0) cs.shape({E, r, c});
+  else cs.shape({r, c});
+  cs.contiguous();
+  ExpertWeight e;
+  e.w = w.data;
+  e.scale = s.data;
+  e.scale_u8 = s.dtype == DType::kU8;
+  return e;
 }
 
 }  // namespace
 
+// logits fp32 [T, E]; bias fp32 [E] | None; hash_ids int32 / int64 [T, k] | None
+// -> weights fp32 [T, k], ids int64 [T, k].
+void moe_route(const TensorArg& logits, const TensorArg& bias, const TensorArg& hash_ids, const TensorArg& weights,
+               const TensorArg& ids, double route_scale, const std::string& score_func) {
+  const char* op = "moe_route";
+  const ScoreFunc score = score_func_of(op, score_func);
+  Check(op, "logits", logits).dtype(DType::kF32).dim(2).contiguous();
+  const int64_t T = logits.size(0), E = logits.size(1);
+  if (E > kRouteMaxE) Check(op, "logits", logits).fail("must have at most 1024 experts (the kernel's limit)");
+  Check(op, "weights", weights).dtype(DType::kF32).dim(2).size(0, T).contiguous();
+  const int64_t k = weights.size(1);
+  if (k < 1 || k > kRouteMaxK || k > E)
+    Check(op, "weights", weights).fail("must have k in [1, min(32, E)] columns (E = " + std::to_string(E) + ")");
+  Check(op, "ids", ids).dtype(DType::kI64).shape({T, k}).contiguous();
+  Check(op, "bias", bias).optional().dtype(DType::kF32).shape({E}).contiguous();
+  Check(op, "hash_ids", hash_ids).optional().dtype({DType::kI32, DType::kI64}).shape({T, k}).contiguous();
+  check_same_cuda_device(op, {{"logits", logits}, {"weights", weights}, {"ids", ids}, {"bias", bias},
+                              {"hash_ids", hash_ids}});
+  if (T == 0) return;
+  DeviceScope scope(op, "logits", logits);
+  deepfuse::moe_route(logits.ptr<const float>(), bias.ptr<const float>(), hash_ids.data,
+                      hash_ids.dtype == DType::kI64, weights.ptr<float>(), ids.ptr<int64_t>(), static_cast<int>(T),
+                      static_cast<int>(E), static_cast<int>(k), static_cast<float>(route_scale), score,
+                      as_cuda_stream(scope));
+}
+
+int64_t moe_workspace_bytes(int64_t T, int64_t d, int64_t inter, int64_t E, int64_t k, bool shared) {
+  const char* op = "moe_workspace_bytes";
+  if (T < 0) bad_arg(op, "T", "must be >= 0");
+  if (d < 1 || d > kMaxDim) bad_arg(op, "d", "must be in [1, 8192]");
+  if (inter < 1 || inter > kMaxDim) bad_arg(op, "inter", "must be in [1, 8192]");
+  if (E < 1 || E + shared > kMaxExperts) bad_arg(op, "E", "must be >= 1 with E (+ 1 shared) <= 2046");
+  if (k < 1) bad_arg(op, "k", "must be >= 1");
+  MoeProblem p;
+  p.T = static_cast<int>(T), p.d = static_cast<int>(d), p.inter = static_cast<int>(inter);
+  p.E = static_cast<int>(E), p.k = static_cast<int>(k), p.has_shared = shared;
+  return deepfuse::moe_workspace_bytes(p);
+}
+
+// x [T, d] bf16 / fp32; ids int32 / int64 [T, k]; weights fp32 [T, k]; experts w1, w3 [E, inter, d],
+// w2 [E, d, inter] (fp8 or mxfp4, the format from w1's dtype) with their scales; an optional fp8
+// shared expert shared_w1, shared_w3 [inter, d], shared_w2 [d, inter] (all six or none)
+// -> out [T, d] of x's dtype. workspace: uint8, at least moe_workspace_bytes.
+void moe_experts(const TensorArg& x, const TensorArg& ids, const TensorArg& weights, const TensorArg& w1,
+                 const TensorArg& w1_scale, const TensorArg& w3, const TensorArg& w3_scale, const TensorArg& w2,
+                 const TensorArg& w2_scale, const TensorArg& out, const TensorArg& workspace, double limit,
+                 const TensorArg& shared_w1, const TensorArg& shared_w1_scale, const TensorArg& shared_w3,
+                 const TensorArg& shared_w3_scale, const TensorArg& shared_w2, const TensorArg& shared_w2_scale) {
+  const char* op = "moe_experts";
+  Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).dim(2).contiguous().aligned(16);
+  const int64_t T = x.size(0), d = x.size(1);
+  if (d % 32 || d > kMaxDim) Check(op, "x", x).fail("must have d % 32 == 0 and d <= 8192 (the kernels' limits)");
+  Check(op, "ids", ids).dtype({DType::kI32, DType::kI64}).dim(2).size(0, T).contiguous();
+  const int64_t k = ids.size(1);
+  if (k < 1) Check(op, "ids", ids).fail("must have at least one column");
+  Check(op, "weights", weights).dtype(DType::kF32).shape({T, k}).contiguous();
+  Check(op, "w1", w1).dtype({DType::kF8E4M3, DType::kU8, DType::kF4x2}).dim(3);
+  const WeightFmt fmt = w1.dtype == DType::kF8E4M3 ? WeightFmt::kFp8 : WeightFmt::kMxfp4;
+  const int64_t E = w1.size(0), inter = w1.size(1);
+  if (inter % 32 || inter > kMaxDim)
+    Check(op, "w1", w1).fail("must have inter % 32 == 0 and inter <= 8192 (the kernels' limits)");
+  if (fmt == WeightFmt::kMxfp4 && (d % 128 || inter % 128))
+    Check(op, "w1", w1).fail("(mxfp4) needs d and inter multiples of 128 (d = " + std::to_string(d) + ")");
+  const bool shared = shared_w1.defined();
+  if (E < 1 || E + shared > kMaxExperts) Check(op, "w1", w1).fail("must have 1 .. 2046 experts (shared included)");
+  MoeProblem p;
+  p.T = static_cast<int>(T), p.d = static_cast<int>(d), p.inter = static_cast<int>(inter);
+  p.E = static_cast<int>(E), p.k = static_cast<int>(k), p.fmt = fmt, p.limit = static_cast<float>(limit);
+  p.w1 = expert_weight(op, "w1", w1, "w1_scale", w1_scale, fmt, E, inter, d);
+  p.w3 = expert_weight(op, "w3", w3, "w3_scale", w3_scale, fmt, E, inter, d);
+  p.w2 = expert_weight(op, "w2", w2, "w2_scale", w2_scale, fmt, E, d, inter);
+  if (shared) {
+    p.has_shared = true;
+    p.sw1 = expert_weight(op, "shared_w1", shared_w1, "shared_w1_scale", shared_w1_scale, WeightFmt::kFp8, -1,
+                          inter, d);
+    p.sw3 = expert_weight(op, "shared_w3", shared_w3, "shared_w3_scale", shared_w3_scale, WeightFmt::kFp8, -1,
+                          inter, d);
+    p.sw2 = expert_weight(op, "shared_w2", shared_w2, "shared_w2_scale", shared_w2_scale, WeightFmt::kFp8, -1, d,
+                          inter);
+  } else {
+    for (const Named& n : {Named{"shared_w1_scale", shared_w1_scale}, Named{"shared_w3", shared_w3},
+                           Named{"shared_w3_scale", shared_w3_scale}, Named{"shared_w2", shared_w2},
+                           Named{"shared_w2_scale", shared_w2_scale}})
+      if (n.t.defined()) Check(op, n.name, n.t).fail("must be None without shared_w1");
+  }
+  Check(op, "out", out).dtype(x.dtype).shape({T, d}).contiguous();
+  Check(op, "workspace", workspace).dtype(DType::kU8).dim(1).contiguous().aligned(16);
+  const int64_t need = deepfuse::moe_workspace_bytes(p);
+  if (workspace.numel() < need)
+    Check(op, "workspace", workspace)
+        .fail("must hold at least " + std::to_string(need) + " bytes (moe_workspace_bytes)");
+  check_same_cuda_device(op, {{"x", x}, {"ids", ids}, {"weights", weights}, {"w1", w1}, {"w1_scale", w1_scale},
+                              {"w3", w3}, {"w3_scale", w3_scale}, {"w2", w2}, {"w2_scale", w2_scale},
+                              {"shared_w1", shared_w1}, {"shared_w1_scale", shared_w1_scale},
+                              {"shared_w3", shared_w3}, {"shared_w3_scale", shared_w3_scale},
+                              {"shared_w2", shared_w2}, {"shared_w2_scale", shared_w2_scale}, {"out", out},
+                              {"workspace", workspace}});
+  if (T == 0) return;
+  DeviceScope scope(op, "x", x);
+  deepfuse::moe_experts(p, x.data, x.dtype == DType::kBF16, ids.data, ids.dtype == DType::kI64,
+                        weights.ptr<const float>(), out.data, workspace.data, as_cuda_stream(scope));
+}
+
+}  // namespace api
+
 void register_moe(py::module_& m) {
-  m.def(
-      "moe_route",
-      [](ptr_t logits, ptr_t bias, ptr_t hash_ids, bool hash_is64, ptr_t weights, ptr_t ids, int T, int E, int k,
-         float route_scale, int score, ptr_t stream, int device) {
-        DeviceGuard guard(device);
-        deepfuse::moe_route(P<const float>(logits), P<const float>(bias), P<const void>(hash_ids), hash_is64,
-                            P<float>(weights), P<int64_t>(ids), T, E, k, route_scale,
-                            static_cast<deepfuse::ScoreFunc>(score), deepfuse::as_stream(stream));
-      },
-      py::arg("logits"), py::arg("bias"), py::arg("hash_ids"), py::arg("hash_is64"), py::arg("weights"),
-      py::arg("ids"), py::arg("T"), py::arg("E"), py::arg("k"), py::arg("route_scale"), py::arg("score"),
-      py::arg("stream"), py::arg("device") = -1);
-  m.def(
-      "moe_workspace_bytes", [](py::tuple problem) { return deepfuse::moe_workspace_bytes(moe_problem(problem)); },
-      py::arg("problem"), "workspace bytes moe_experts needs for a problem");
-  m.def(
-      "moe_experts",
-      [](py::tuple problem, ptr_t x, bool x_bf16, ptr_t ids, bool ids_is64, ptr_t weights, ptr_t out,
-         ptr_t workspace, ptr_t stream, int device) {
-        DeviceGuard guard(device);
-        deepfuse::moe_experts(moe_problem(problem), P<const void>(x), x_bf16, P<const void>(ids), ids_is64,
-                              P<const float>(weights), P(out), P(workspace), deepfuse::as_stream(stream));
-      },
-      py::arg("problem"), py::arg("x"), py::arg("x_bf16"), py::arg("ids"), py::arg("ids_is64"), py::arg("weights"),
-      py::arg("out"), py::arg("workspace"), py::arg("stream"), py::arg("device") = -1);
+  m.def("moe_route", &api::moe_route, py::kw_only(), py::arg("logits"), py::arg("bias"), py::arg("hash_ids"),
+        py::arg("weights"), py::arg("ids"), py::arg("route_scale"), py::arg("score_func"),
+        "router: logits fp32 [T, E] -> weights fp32 [T, k], ids int64 [T, k] (k from weights)");
+  m.def("moe_workspace_bytes", &api::moe_workspace_bytes, py::kw_only(), py::arg("T"), py::arg("d"),
+        py::arg("inter"), py::arg("E"), py::arg("k"), py::arg("shared") = false,
+        "workspace bytes moe_experts needs for these sizes");
+  m.def("moe_experts", &api::moe_experts, py::kw_only(), py::arg("x"), py::arg("ids"), py::arg("weights"),
+        py::arg("w1"), py::arg("w1_scale"), py::arg("w3"), py::arg("w3_scale"), py::arg("w2"), py::arg("w2_scale"),
+        py::arg("out"), py::arg("workspace"), py::arg("limit"), py::arg("shared_w1") = py::none(),
+        py::arg("shared_w1_scale") = py::none(), py::arg("shared_w3") = py::none(),
+        py::arg("shared_w3_scale") = py::none(), py::arg("shared_w2") = py::none(),
+        py::arg("shared_w2_scale") = py::none(),
+        "routed fp8 / mxfp4 experts (+ an fp8 shared expert) of x [T, d] -> out [T, d]");
 }
 
 }  // namespace deepfuse

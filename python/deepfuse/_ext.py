@@ -53,7 +53,7 @@ def _check_device(index: int) -> None:
 # the _C functions that touch a device: they take device= (the device made current for the call)
 _ON_DEVICE = ("num_sms", "topk", "topk_plan", "kv_store", "indexer_key_store",
               "kv_window_copy",
-              "moe_route", "moe_experts", "fp8_linear", "hc_mix", "hc_post", "norm_rope", "compress_store",
+              "hc_mix", "hc_post", "norm_rope", "compress_store",
               "state_store")
 
 

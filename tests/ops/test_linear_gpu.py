@@ -4,14 +4,15 @@ The kernels quantise activations to FP8 per token per 128 (the reference does no
 check is against an emulation of that rounding (every element: |y - emu| <= 2e-2 |emu| +
 1e-2 max|emu|) and against the exact reference (relative Frobenius error <= 0.05).
 M <= 64 runs our weight-streaming kernel, larger M cuBLASLt (fp8) or our kernel (mxfp4).
+The fp8_linear launcher's own checks (dtype, shape, device) run on the CPU too.
 """
 import pytest
 import torch
 
-from deepfuse import ops
+from deepfuse import _ext, ops
 from deepfuse.ops import linear as L
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 DEV = "cuda"
 
 
@@ -28,6 +29,7 @@ def emulated(x, w, s, fmt):
     return xq @ L.dequant_weight(w, s, fmt).T
 
 
+@gpu
 @pytest.mark.parametrize("fmt,scale_fmt", [("fp8", "ue8m0"), ("fp8", "fp32"), ("mxfp4", None)])
 @pytest.mark.parametrize("M,K,N", [(1, 4096, 1024), (7, 1024, 4096), (64, 512, 640), (65, 4096, 1024),
                                    (300, 1024, 768), (1, 8192, 512), (33, 16384, 256)])
@@ -45,6 +47,7 @@ def test_quant_linear_matches_reference(fmt, scale_fmt, M, K, N):
     assert ((yf - ref).norm() / ref.norm()).item() <= 0.05
 
 
+@gpu
 @pytest.mark.parametrize("shape", [(3, 5, 160), (2, 96)])
 def test_quant_linear_fp32_batched_and_tails(shape):
     """fp32 x with leading batch dims, K not a multiple of 128, N not a multiple of 64."""
@@ -58,6 +61,7 @@ def test_quant_linear_fp32_batched_and_tails(shape):
     torch.testing.assert_close(y, emu, rtol=2e-2, atol=1e-2 * emu.abs().max().item())
 
 
+@gpu
 def test_activation_quant_switch_runs_the_reference():
     g = torch.Generator(device=DEV).manual_seed(1)
     w, s = make_weight(256, 512, "fp8", "ue8m0", g)
@@ -71,6 +75,7 @@ def test_activation_quant_switch_runs_the_reference():
     assert not torch.equal(ops.quant_linear(x, w, s, "fp8"), y)
 
 
+@gpu
 def test_quant_linear_graph_capturable():
     g = torch.Generator(device=DEV).manual_seed(2)
     w, s = make_weight(1024, 2048, "fp8", "ue8m0", g)
@@ -89,6 +94,7 @@ def test_quant_linear_graph_capturable():
     assert torch.equal(y, want)
 
 
+@gpu
 @pytest.mark.sanitize
 def test_linear_sanitize_small():
     g = torch.Generator(device=DEV).manual_seed(3)
@@ -104,6 +110,7 @@ def test_linear_sanitize_small():
     torch.cuda.synchronize()
 
 
+@gpu
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("lead,G,Kg,R", [((1,), 8, 4096, 1024), ((5, 3), 2, 256, 128), ((300,), 4, 512, 256)])
 def test_grouped_linear_matches_reference(fmt, lead, G, Kg, R):
@@ -122,3 +129,120 @@ def test_grouped_linear_matches_reference(fmt, lead, G, Kg, R):
     assert not bad.any(), int(bad.sum())
     ref = L.grouped_linear_ref(x.float(), w, s, fmt)
     assert ((yf - ref).norm() / ref.norm()).item() <= 0.05
+
+
+# ----------------------------------------------------------------------------- the C++ launcher's checks
+FP8 = torch.float8_e4m3fn
+needs_ext = pytest.mark.skipif(not _ext.has_cuda_kernels(), reason="needs the compiled extension")
+
+
+def _launch_args(M=4, K=256, N=192, G=0, fmt="fp8", device="cpu"):
+    """fp8_linear launcher arguments, every one well formed (x [M, K], or [M, G, K] with w [G * N, K])."""
+    rows = N * max(G, 1)
+    if fmt == "fp8":
+        w = torch.zeros(rows, K, dtype=FP8, device=device)
+        s = torch.zeros(-(-rows // 128), -(-K // 128), device=device)
+    else:
+        w = torch.zeros(rows, K // 2, dtype=torch.uint8, device=device)
+        s = torch.zeros(rows, K // 32, dtype=torch.uint8, device=device)
+    lead = (M, G) if G else (M,)
+    return dict(x=torch.zeros(*lead, K, dtype=torch.bfloat16, device=device), w=w, w_scale=s,
+                out=torch.empty(*lead, N, dtype=torch.bfloat16, device=device),
+                workspace=torch.empty(1 << 20, dtype=torch.uint8, device=device))
+
+
+@needs_ext
+@pytest.mark.parametrize("change, match", [
+    (dict(), r"fp8_linear: argument 'x' must be a CUDA tensor \(got bfloat16\[4, 256\] on cpu\)"),
+    (dict(G=2, N=128), r"argument 'x' must be a CUDA tensor \(got bfloat16\[4, 2, 256\]"),
+    (dict(fmt="mxfp4"), r"argument 'x' must be a CUDA tensor"),
+    (dict(x=torch.zeros(4, 256, dtype=torch.float16)), r"argument 'x' must be bfloat16 or float32"),
+    (dict(x=torch.zeros(256, dtype=torch.bfloat16)), r"argument 'x' must have 2 dims \(\[M, K\]\) or 3"),
+    (dict(x=torch.zeros(4, 200, dtype=torch.bfloat16)), r"argument 'x' must have K % 32 == 0"),
+    (dict(x=torch.zeros(256, 4, dtype=torch.bfloat16).t()), r"argument 'x' must be contiguous"),
+    (dict(w=torch.zeros(192, 256, dtype=torch.bfloat16)), r"argument 'w' must be float8_e4m3fn or uint8"),
+    (dict(w=torch.zeros(192, 128, dtype=FP8)), r"argument 'w' must have shape \[192, 256\]"),
+    (dict(w_scale=torch.zeros(1, 2)), r"argument 'w_scale' must have shape \[2, 2\]"),
+    (dict(w_scale=torch.zeros(2, 2, dtype=torch.bfloat16)), r"argument 'w_scale' must be float32 or uint8"),
+    (dict(w_scale=None), r"argument 'w_scale' is required"),
+    (dict(out=torch.empty(4, 192, dtype=torch.float16)), r"argument 'out' must be bfloat16 or float32"),
+    (dict(out=torch.empty(4, 191, dtype=torch.bfloat16)), r"argument 'out' must have shape \[4, 192\]"),
+    (dict(workspace=torch.empty(1 << 18)), r"argument 'workspace' must be uint8"),
+])
+def test_fp8_linear_launcher_rejects(change, match):
+    sizes = {k: v for k, v in change.items() if k in ("G", "N", "fmt")}
+    a = _launch_args(**sizes)
+    a.update({k: v for k, v in change.items() if k not in sizes})
+    with pytest.raises(ValueError, match=match):
+        _ext._C.fp8_linear(**a)
+
+
+@needs_ext
+def test_fp8_linear_launcher_rejects_formats_and_groups():
+    a = _launch_args(fmt="mxfp4")
+    a["w_scale"] = a["w_scale"].float()
+    with pytest.raises(ValueError, match=r"argument 'w_scale' must be uint8 \(got float32\[192, 8\]"):
+        _ext._C.fp8_linear(**a)
+    a = _launch_args(fmt="mxfp4", K=96)
+    with pytest.raises(ValueError, match=r"argument 'x' must have K % 128 == 0 for an mxfp4 w"):
+        _ext._C.fp8_linear(**a)
+    a = _launch_args(G=3, N=64)  # fp8 groups: whole 128-row scale blocks per group
+    with pytest.raises(ValueError, match=r"argument 'w' \(fp8, grouped\) must have a multiple of 128 rows"):
+        _ext._C.fp8_linear(**a)
+    a = _launch_args(G=2, N=128)
+    a["w"] = a["w"][:255]
+    with pytest.raises(ValueError, match=r"argument 'w' must have a multiple of the 2 groups of x as rows"):
+        _ext._C.fp8_linear(**a)
+    a = _launch_args(G=2, N=128)
+    a["out"] = torch.empty(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"argument 'out' must have shape \[4, 2, 128\]"):
+        _ext._C.fp8_linear(**a)
+    a = _launch_args()
+    with pytest.raises(ValueError, match=r"fp8_linear_workspace_bytes: argument 'x' must be a CUDA tensor"):
+        _ext._C.fp8_linear_workspace_bytes(x=a["x"], w=a["w"], w_scale=a["w_scale"])
+    with pytest.raises(TypeError):  # tensors, not a problem tuple
+        _ext._C.fp8_linear_workspace_bytes((4, 256, 192, False, 0, 0, False, 0))
+
+
+class _CpuC:
+    """_C with a workspace size for CPU tensors (the real one needs x's device)."""
+
+    def __getattr__(self, name):
+        return getattr(_ext._C, name)
+
+    def fp8_linear_workspace_bytes(self, **kw):
+        with pytest.raises(ValueError, match="fp8_linear_workspace_bytes: argument 'x' must be a CUDA tensor"):
+            _ext._C.fp8_linear_workspace_bytes(**kw)
+        return 1 << 20
+
+
+@needs_ext
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_linear_kernel_paths_pass_the_launcher_checks(monkeypatch, fmt):
+    """The CUDA registrations' keywords, dtypes and shapes pass every launcher check but the
+    device one (CPU tensors here, so the launcher refuses before any launch)."""
+    monkeypatch.setattr(_ext, "ext", lambda device: _CpuC())
+    a = _launch_args(fmt=fmt)
+    with pytest.raises(ValueError, match="fp8_linear: argument 'x' must be a CUDA tensor"):
+        L._quant_linear.kernels["cuda"](a["x"].view(2, 2, 256), a["w"], a["w_scale"], fmt)
+    a = _launch_args(fmt=fmt, G=2, N=128)
+    with pytest.raises(ValueError, match=r"fp8_linear: argument 'x' must be a CUDA tensor \(got bfloat16\[4, 2, 256\]"):
+        L._grouped_linear.kernels["cuda"](a["x"].view(2, 2, 2, 256), a["w"], a["w_scale"], fmt)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fp8_linear_launcher_rejects_mixed_devices_and_small_workspace():
+    a = _launch_args(device=DEV)
+    a["w_scale"] = a["w_scale"].cpu()
+    with pytest.raises(ValueError, match="argument 'w_scale' must be a CUDA tensor"):
+        _ext._C.fp8_linear(**a)
+    a = _launch_args(M=3, device=DEV)
+    need = _ext._C.fp8_linear_workspace_bytes(x=a["x"], w=a["w"], w_scale=a["w_scale"])
+    a["workspace"] = a["workspace"][:need - 256]
+    with pytest.raises(ValueError, match=f"argument 'workspace' must hold at least {need} bytes"):
+        _ext._C.fp8_linear(**a)
+    a["workspace"] = torch.empty(need, dtype=torch.uint8, device=DEV)
+    _ext._C.fp8_linear(**a)  # the same arguments with a workspace of the size asked for launch
+    torch.cuda.synchronize()
+    assert torch.equal(a["out"], torch.zeros_like(a["out"]))

@@ -148,6 +148,13 @@ def _scaled_mm_fp8(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
     return torch._scaled_mm(q, w.t(), sa, sb, out_dtype=out_dtype)
 
 
+def _fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Our kernel: x [M, K] -> out [M, N], or x [M, G, Kg] -> out [M, G, R] (block-diagonal w)."""
+    C = _ext.ext(x.device)
+    work = torch.empty(C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=scale), dtype=torch.uint8, device=x.device)
+    C.fp8_linear(x=x, w=w, w_scale=scale, out=out, workspace=work)
+
+
 @_quant_linear.register_kernel("cuda")
 def _(x, w, scale, fmt):
     if _linear_reference("quant_linear", kernels_off_reason() or linear_gap(x.dtype, x.shape[-1], w, scale, fmt)):
@@ -162,11 +169,7 @@ def _(x, w, scale, fmt):
             pass
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        C = _ext.ext(x.device)
-        problem = (M, K, N, fmt == "mxfp4", w.data_ptr(), scale.data_ptr(), scale.dtype == torch.uint8, 0)
-        work = torch.empty(C.fp8_linear_workspace_bytes(problem), dtype=torch.uint8, device=x.device)
-        C.fp8_linear(problem, x2.data_ptr(), x2.dtype == torch.bfloat16, out.data_ptr(), out.dtype == torch.bfloat16,
-                     work.data_ptr(), _ext.stream(x.device))
+        _fp8_linear(x2, w, scale, out)
     return out.view(*x.shape[:-1], N)
 
 
@@ -196,15 +199,11 @@ def _(x, w, scale, fmt):
     R = w.shape[0] // G
     if _linear_reference("grouped_linear", kernels_off_reason() or grouped_gap(x.dtype, Kg, R, w, scale, fmt)):
         return grouped_linear_ref(x, w, scale, fmt)
-    x2 = x.reshape(-1, G * Kg).contiguous()
-    M = x2.shape[0]
+    x3 = x.reshape(-1, G, Kg).contiguous()
+    M = x3.shape[0]
     out = torch.empty(*x.shape[:-1], R, dtype=x.dtype, device=x.device)
     if M:
-        C = _ext.ext(x.device)
-        problem = (M, Kg, R, fmt == "mxfp4", w.data_ptr(), scale.data_ptr(), scale.dtype == torch.uint8, G)
-        work = torch.empty(C.fp8_linear_workspace_bytes(problem), dtype=torch.uint8, device=x.device)
-        C.fp8_linear(problem, x2.data_ptr(), x2.dtype == torch.bfloat16, out.data_ptr(), out.dtype == torch.bfloat16,
-                     work.data_ptr(), _ext.stream(x.device))
+        _fp8_linear(x3, w, scale, out.view(M, G, R))
     return out
 
 

@@ -119,9 +119,6 @@ def moe_experts_ref(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt: str, limit: fl
     return out.to(x.dtype)
 
 
-_SCORE_CODE = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-
-
 def route_gap(E: int, k: int) -> Optional[str]:
     """Why the router kernel cannot serve E experts, top-k (None: it can)."""
     if E > 1024:
@@ -150,10 +147,8 @@ def _(logits, bias, k, route_scale, score_func, hash_ids):
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     if T:
-        _ext.ext(logits.device).moe_route(lf.data_ptr(), 0 if bf is None else bf.data_ptr(),
-                                          0 if hi is None else hi.data_ptr(), hi is not None and hi.dtype == torch.int64,
-                                          w.data_ptr(), ids.data_ptr(), T, E, k, float(route_scale),
-                                          _SCORE_CODE[score_func], _ext.stream(logits.device))
+        _ext.ext(logits.device).moe_route(logits=lf, bias=bf, hash_ids=hi, weights=w, ids=ids,
+                                          route_scale=float(route_scale), score_func=score_func)
     return w, ids
 
 
@@ -210,10 +205,6 @@ def shared_gap(I: int, shared) -> Optional[str]:
     return None
 
 
-def _kernel_weight(w: torch.Tensor, s: torch.Tensor):
-    return (w.data_ptr(), s.data_ptr(), s.dtype == torch.uint8)
-
-
 @_moe_experts.register_kernel("cuda")
 def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2):
     shared = None if sh_w1 is None else (sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2)
@@ -230,22 +221,20 @@ def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3, sh_w2, 
     if shared_why is not None:  # the routed experts on the kernels, the shared expert's reference added
         need_reference("moe_experts", shared_why)
     fused = shared is not None and shared_why is None
-    ws = [t.contiguous() for t in (w1, s1, w3, s3, w2, s2)]
-    sh = None
+    sh = {}
     if fused:
-        shc = [t.contiguous() for t in (sh_w1, sh_s1, sh_w3, sh_s3, sh_w2, sh_s2)]
-        sh = tuple(_kernel_weight(shc[i], shc[i + 1]) for i in (0, 2, 4))
-    problem = (T, d, I, E, k, 0 if fmt == "fp8" else 1, float(limit), _kernel_weight(ws[0], ws[1]),
-               _kernel_weight(ws[2], ws[3]), _kernel_weight(ws[4], ws[5]), sh)
+        sh = dict(shared_w1=sh_w1, shared_w1_scale=sh_s1, shared_w3=sh_w3, shared_w3_scale=sh_s3, shared_w2=sh_w2,
+                  shared_w2_scale=sh_s2)
     C = _ext.ext(x.device)
     xc = x.contiguous()
-    idc = ids.contiguous()
-    wc = weights.float().contiguous()
     out = torch.empty_like(xc)
     if T:
-        work = torch.empty(C.moe_workspace_bytes(problem), dtype=torch.uint8, device=x.device)
-        C.moe_experts(problem, xc.data_ptr(), xc.dtype == torch.bfloat16, idc.data_ptr(), idc.dtype == torch.int64,
-                      wc.data_ptr(), out.data_ptr(), work.data_ptr(), _ext.stream(x.device))
+        work = torch.empty(C.moe_workspace_bytes(T=T, d=d, inter=I, E=E, k=k, shared=fused), dtype=torch.uint8,
+                           device=x.device)
+        C.moe_experts(x=xc, ids=ids.contiguous(), weights=weights.float().contiguous(), w1=w1.contiguous(),
+                      w1_scale=s1.contiguous(), w3=w3.contiguous(), w3_scale=s3.contiguous(), w2=w2.contiguous(),
+                      w2_scale=s2.contiguous(), out=out, workspace=work, limit=float(limit),
+                      **{n: t.contiguous() for n, t in sh.items()})
     if shared is not None and not fused:
         out = (out.float() + shared_expert_ref(x, shared, limit)).to(x.dtype)
     return out
