@@ -159,6 +159,7 @@ bool load_tensor_arg(PyObject* obj, TensorArg& out) {
 }
 
 bool TensorArg::is_contiguous() const {
+  if (numel() == 0) return true;  // as torch: an empty tensor is contiguous whatever its strides
   int64_t s = 1;
   for (int i = ndim - 1; i >= 0; --i) {
     if (shape[i] != 1 && stride[i] != s) return false;
