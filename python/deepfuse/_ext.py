@@ -51,10 +51,7 @@ def _check_device(index: int) -> None:
 
 
 # the _C functions that touch a device: they take device= (the device made current for the call)
-_ON_DEVICE = ("num_sms", "topk", "topk_plan", "kv_store", "indexer_key_store",
-              "kv_window_copy",
-              "hc_mix", "hc_post", "norm_rope", "compress_store",
-              "state_store")
+_ON_DEVICE = ("num_sms", "topk", "topk_plan")
 
 
 # _C launchers whose kernels exist for some archs only: name -> the archs that have them.

@@ -9,7 +9,7 @@ row's fp32 scale (no bf16 rounding: dequantised in fp32).
 import pytest
 import torch
 
-from deepfuse import ops
+from deepfuse import _ext, ops
 from deepfuse import kv_format as F
 from deepfuse.ops import cast as C
 from deepfuse.ops import kvcache as K
@@ -383,6 +383,110 @@ def test_compile_cpu():
     ops.kv_store(ref_pages, slots, kv)
     assert torch.equal(pages.data, ref_pages.data)
     assert same_bf16(out, ops.window_gather(ref_pages, torch.tensor([21]), block_table=table))
+
+
+# ----------------------------------------------------------------------------- the C++ launchers' checks
+_needs_ext = pytest.mark.skipif(not _ext.has_cuda_kernels(), reason="needs the compiled extension")
+BF16, I32, I64, U8 = torch.bfloat16, torch.int32, torch.int64, torch.uint8
+
+
+def _store_args(device="cpu", **change):
+    a = dict(kv=torch.zeros(2, 5, 512, dtype=BF16), cache=F.alloc_kv_pages(2, 3, 16, device="cpu").data,
+             index=torch.zeros(5, dtype=I64))
+    a.update(change)
+    return {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in a.items()}
+
+
+@_needs_ext
+@pytest.mark.parametrize("change, match", [
+    (dict(kv=torch.zeros(2, 5, 512)), r"kv_store: argument 'kv' must be bfloat16 \(got float32\[2, 5, 512\] on cpu\)"),
+    (dict(kv=torch.zeros(2, 5, 448, dtype=BF16)), r"argument 'kv' must have shape \[\*, \*, 512\]"),
+    (dict(kv=torch.zeros(2, 5, 1024, dtype=BF16)[..., ::2]), "argument 'kv' must have stride 1 in its last dim"),
+    (dict(kv=torch.zeros(3, 5, 512, dtype=BF16)), "argument 'cache' must have 3 layers"),
+    (dict(cache=torch.zeros(2, 3, 100, dtype=U8)), "argument 'cache' must hold whole 584-byte rows"),
+    (dict(cache=torch.zeros(2, 3, 16, 448, dtype=BF16)), r"argument 'cache' must have shape \[\*, \*, \*, 512\]"),
+    (dict(cache=torch.zeros(2, 3, 16 * 584)), "argument 'cache' must be uint8 or bfloat16"),
+    (dict(index=torch.zeros(5)), "argument 'index' must be int32 or int64"),
+    (dict(index=torch.zeros(4, dtype=I64)), r"argument 'index' must have shape \[5\]"),
+    (dict(index=torch.zeros(3, 5, dtype=I32)), r"argument 'index' must have shape \[2, 5\]"),
+    (dict(positions=torch.zeros(5, dtype=I64), window=129), "argument 'cache' must hold window = 129 rows"),
+    (dict(positions=torch.zeros(5, dtype=torch.int16), window=16), "argument 'positions' must be int32 or int64"),
+    (dict(), "argument 'kv' must be a CUDA tensor"),
+    (dict(index=torch.zeros(2, 5, dtype=I32), positions=torch.zeros(5, dtype=I64), window=16),
+     "argument 'index' must have 1 dims"),
+])
+def test_kv_store_launcher_rejects(change, match):
+    with pytest.raises(ValueError, match=match):
+        _ext._C.kv_store(**_store_args(**change))
+
+
+@_needs_ext
+def test_indexer_key_store_launcher_rejects():
+    C = _ext._C
+    cache = F.alloc_indexer_pages(2, 3, 16, device="cpu").data
+    k, slots = torch.zeros(2, 5, 128, dtype=BF16), torch.zeros(5, dtype=I32)
+    with pytest.raises(ValueError, match="indexer_key_store: argument 'scale_fmt' must be fp32 or ue8m0"):
+        C.indexer_key_store(k=k, cache=cache, slots=slots, scale_fmt="e8m0")
+    with pytest.raises(ValueError, match=r"argument 'k' must have shape \[\*, \*, 128\]"):
+        C.indexer_key_store(k=torch.zeros(2, 5, 512, dtype=BF16), cache=cache, slots=slots)
+    with pytest.raises(ValueError, match="argument 'k' must be bfloat16"):
+        C.indexer_key_store(k=k.half(), cache=cache, slots=slots)
+    with pytest.raises(ValueError, match="argument 'cache' must hold whole 132-byte rows"):
+        C.indexer_key_store(k=k, cache=torch.zeros(2, 3, 584, dtype=U8), slots=slots)
+    with pytest.raises(ValueError, match=r"argument 'slots' must have shape \[5\]"):
+        C.indexer_key_store(k=k, cache=cache, slots=slots[:4])
+    with pytest.raises(ValueError, match="argument 'k' must be a CUDA tensor"):
+        C.indexer_key_store(k=k, cache=cache, slots=slots, scale_fmt="ue8m0")
+
+
+def _copy_args(**change):
+    # fp8 pages (block table) -> a dense bf16 [L, B, W, 512] buffer: the dequantising gather
+    a = dict(src_cache=F.alloc_kv_pages(2, 4, 16, device="cpu").data, src_index=torch.zeros(3, 2, dtype=I32),
+             dst_cache=torch.zeros(2, 3, 128, 512, dtype=BF16), dst_index=None, lengths=torch.zeros(3, dtype=I64),
+             window=128, fill_missing=True)
+    a.update(change)
+    return a
+
+
+@_needs_ext
+@pytest.mark.parametrize("change, match", [
+    (dict(lengths=torch.zeros(3)), "kv_window_copy: argument 'lengths' must be int32 or int64"),
+    (dict(lengths=torch.zeros(3, 1, dtype=I64)), "argument 'lengths' must have 1 dims"),
+    (dict(window=0), "argument 'window' must be positive"),
+    (dict(src_index=torch.zeros(3, 2, 1, dtype=I32)), r"argument 'src_index' must be None \(dense pages\), \[B\]"),
+    (dict(src_index=torch.zeros(4, 2, dtype=I32)), r"argument 'src_index' must have shape \[3, \*\]"),
+    (dict(src_index=torch.zeros(3, dtype=I32)), "argument 'src_cache' must hold window = 128 rows per ring page"),
+    (dict(src_index=torch.zeros(3, 2)), "argument 'src_index' must be int32 or int64"),
+    (dict(dst_cache=torch.zeros(2, 2, 128, 512, dtype=BF16)),
+     r"argument 'dst_cache' must have one page per request \(3\)"),
+    (dict(dst_cache=torch.zeros(1, 3, 128, 512, dtype=BF16)), "argument 'dst_cache' must have 2 layers"),
+    (dict(src_cache=torch.zeros(2, 4, 16, 512, dtype=BF16), dst_cache=torch.zeros(2, 3, 128 * 584, dtype=U8)),
+     "argument 'dst_cache' must be bfloat16 when src_cache is"),
+    (dict(dst_cache=torch.zeros(2, 3, 128, 512, dtype=BF16), dst_index=torch.zeros(3, dtype=I64)),
+     "argument 'dst_index' must be None when fill_missing"),
+    (dict(src_cache=F.alloc_kv_pages(2, 4, 16, device="cpu").data[:, :, :-8]), "must hold whole 584-byte rows"),
+    (dict(), "argument 'src_cache' must be a CUDA tensor"),
+])
+def test_kv_window_copy_launcher_rejects(change, match):
+    with pytest.raises(ValueError, match=match):
+        _ext._C.kv_window_copy(**_copy_args(**change))
+
+
+@pytest.mark.gpu
+def test_launchers_reject_mixed_devices():
+    a = _store_args(device="cuda")
+    a["index"] = a["index"].cpu()
+    with pytest.raises(ValueError, match="kv_store: argument 'index' must be a CUDA tensor"):
+        _ext._C.kv_store(**a)
+    a = _copy_args(**{n: t.cuda() for n, t in _copy_args().items() if isinstance(t, torch.Tensor)})
+    a["lengths"] = a["lengths"].cpu()
+    with pytest.raises(ValueError, match="kv_window_copy: argument 'lengths' must be a CUDA tensor"):
+        _ext._C.kv_window_copy(**a)
+    a["lengths"] = a["lengths"].cuda()
+    a["dst_cache"].fill_(1.0)
+    _ext._C.kv_window_copy(**a)  # on one device it launches: no rows in the windows, every row zero-filled
+    torch.cuda.synchronize()
+    assert not a["dst_cache"].any()
 
 
 # ----------------------------------------------------------------------------- GPU kernels

@@ -42,6 +42,19 @@ def test_hc_pre_post_head_match_reference(dtype, lead, d):
     close(ops.hc_head(x, hfn, hscale, hbase), M.hc_head_ref(x, hfn, hscale, hbase, 1e-6, 1e-6), dtype)
 
 
+def test_mhc_launchers_reject_mixed_devices():
+    from deepfuse import _ext
+
+    x = torch.zeros(3, 4, 64, device=DEV)
+    with pytest.raises(ValueError, match="hc_post: argument 'comb' must be a CUDA tensor"):
+        _ext._C.hc_post(f=torch.zeros(3, 64, device=DEV), x=x, post=torch.zeros(3, 4, device=DEV),
+                        comb=torch.zeros(3, 4, 4), out=torch.empty_like(x))
+    with pytest.raises(ValueError, match="hc_mix: argument 'part' must hold"):
+        _ext._C.hc_mix(x=x, fn=torch.zeros(4, 256, device=DEV), scale=torch.ones(1, device=DEV),
+                       base=torch.zeros(4, device=DEV), y=torch.empty(3, 64, device=DEV), post=None, comb=None,
+                       part=torch.empty(4, device=DEV), norm_eps=1e-6, hc_eps=1e-6, iters=1)
+
+
 @pytest.mark.sanitize
 def test_mhc_sanitize_small():
     g = torch.Generator(device=DEV).manual_seed(0)

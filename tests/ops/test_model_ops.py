@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepfuse import ops
+from deepfuse import _ext, ops
 
 from v4_oracle import one_thread  # noqa: F401
 
@@ -224,3 +224,140 @@ def test_swiglu_clamps():
     torch.testing.assert_close(ops.swiglu(gt, up, 10.0), ref)
     torch.testing.assert_close(ops.swiglu(gt, up, 0.0), F.silu(gt) * up)
     torch.library.opcheck(torch.ops.deepfuse.swiglu, (gt, up, 10.0))
+
+
+# ----------------------------------------------------------------------------- the C++ launchers' checks
+# csrc/{norm,compressor,mhc}/api.cpp check every tensor behind the Python checks: dtype and
+# shape errors name the argument and come before the device check (so they run on CPU).
+_needs_ext = pytest.mark.skipif(not _ext.has_cuda_kernels(), reason="needs the compiled extension")
+BF16, F32, I64 = torch.bfloat16, torch.float32, torch.int64
+
+
+def _call(fn, base, change, match):
+    with pytest.raises(ValueError, match=match):
+        fn(**{**base, **change})
+
+
+def _rows_args():
+    return dict(x=torch.zeros(4, 64, dtype=BF16), y=torch.zeros(4, 64, dtype=BF16), norm=True,
+                weight=torch.ones(64), eps=1e-6, cos=torch.ones(4, 16), sin=torch.zeros(4, 16))
+
+
+@_needs_ext
+@pytest.mark.parametrize("change, match", [
+    (dict(x=torch.zeros(4, 64)), r"norm_rope: argument 'x' must be bfloat16 \(got float32\[4, 64\] on cpu\)"),
+    (dict(x=torch.zeros(4, 60, dtype=BF16)), "argument 'x' must have rows of D values, D % 8 == 0"),
+    (dict(y=torch.zeros(4, 32, dtype=BF16)), "argument 'y' must have x's shape"),
+    (dict(y=torch.zeros(4, 64)), "argument 'y' must be bfloat16"),
+    (dict(weight=torch.ones(32)), r"argument 'weight' must have shape \[64\]"),
+    (dict(weight=torch.ones(64, dtype=BF16)), "argument 'weight' must be float32"),
+    (dict(cos=torch.ones(3, 16), sin=torch.zeros(3, 16)), r"argument 'cos' must be \[\*L, half\]"),
+    (dict(sin=torch.zeros(4, 8)), "argument 'sin' must have cos's shape"),
+    (dict(cos=None), "argument 'sin' must be None when cos is"),
+    (dict(cos=torch.ones(4, 40), sin=torch.zeros(4, 40)), "argument 'cos' must have at most D / 2 = 32 columns"),
+    (dict(store="kv_fp8", pages=torch.zeros(2, 16 * 584, dtype=torch.uint8), slots=torch.zeros(4, dtype=I64)),
+     "argument 'store' kv_fp8 takes rows of 512 values"),
+    (dict(store="dense", pages=torch.zeros(2, 16, 64, dtype=BF16), slots=torch.zeros(4, dtype=torch.int32)),
+     "argument 'slots' must be int64"),
+    (dict(store="dense", pages=torch.zeros(2, 16, 64), slots=torch.zeros(4, dtype=I64)),
+     "argument 'pages' must be bfloat16"),
+    (dict(store="bogus"), "argument 'store' must be none, kv_fp8, idx_fp8, idx_fp8_ue8m0 or dense"),
+    (dict(pages=torch.zeros(2, 16, 64, dtype=BF16)), "argument 'pages' must be None when store is none"),
+    (dict(x=torch.zeros(4, 2, 64, dtype=BF16), y=None, store="dense", pages=torch.zeros(2, 16, 64, dtype=BF16),
+          slots=torch.zeros(4, dtype=I64)), r"argument 'x' must be \[N, D\] rows with cos \[N, half\] for a store"),
+    (dict(), "argument 'x' must be a CUDA tensor"),
+    (dict(x=torch.zeros(4, 2, 64, dtype=BF16), y=torch.zeros(4, 2, 64, dtype=BF16)), "argument 'x' must be a CUDA"),
+])
+def test_norm_rope_launcher_rejects(change, match):
+    _call(_ext._C.norm_rope, _rows_args(), change, match)
+
+
+def _compress_args(nb=3, r=4, w=128, N=6, S=5):
+    return dict(kv=torch.zeros(N, w, dtype=BF16), score=torch.zeros(N, w, dtype=BF16),
+                state_kv=torch.zeros(S, w, dtype=BF16), state_score=torch.zeros(S, w, dtype=BF16),
+                ape=torch.zeros(r, w), src_fresh=torch.zeros(nb, r, dtype=I64), src_state=torch.zeros(nb, r, dtype=I64),
+                src_ape=torch.zeros(nb, r, dtype=I64), src_is_fresh=torch.zeros(nb, r, dtype=torch.bool),
+                src_valid=torch.zeros(nb, r, dtype=torch.bool), overlap=False, norm_weight=torch.ones(w), eps=1e-6,
+                cos=torch.ones(nb, 32), sin=torch.zeros(nb, 32), y=torch.zeros(nb, w, dtype=BF16), store="idx_fp8",
+                pages=torch.zeros(2, 16 * 132, dtype=torch.uint8), slots=torch.zeros(nb, dtype=I64))
+
+
+@_needs_ext
+@pytest.mark.parametrize("change, match", [
+    (dict(kv=torch.zeros(6, 128, dtype=torch.float16)), "compress_store: argument 'kv' must be bfloat16"),
+    (dict(score=torch.zeros(6, 256, dtype=BF16)[:, :128]), "argument 'score' must have the row stride of 'kv'"),
+    (dict(state_score=torch.zeros(5, 64, dtype=BF16)), r"argument 'state_score' must have shape \[5, 128\]"),
+    (dict(ape=torch.zeros(4, 128, dtype=BF16)), "argument 'ape' must be float32"),
+    (dict(src_valid=torch.zeros(3, 4, dtype=I64)), "argument 'src_valid' must be bool"),
+    (dict(src_state=torch.zeros(3, 5, dtype=I64)), r"argument 'src_state' must have shape \[3, 4\]"),
+    (dict(overlap=True), r"argument 'src_fresh' must have shape \[\*, 8\]"),
+    (dict(norm_weight=torch.ones(64)), r"argument 'norm_weight' must have shape \[128\]"),
+    (dict(cos=torch.ones(2, 32)), r"argument 'cos' must have shape \[3, \*\]"),
+    (dict(y=torch.zeros(3, 128)), "argument 'y' must be bfloat16"),
+    (dict(store="kv_fp8"), "argument 'store' kv_fp8 takes rows of 512 values"),
+    (dict(pages=torch.zeros(2, 100, dtype=torch.uint8)), "argument 'pages' must hold whole 132-byte rows"),
+    (dict(slots=torch.zeros(2, dtype=I64)), r"argument 'slots' must have shape \[3\]"),
+    (dict(), "argument 'kv' must be a CUDA tensor"),
+])
+def test_compress_store_launcher_rejects(change, match):
+    _call(_ext._C.compress_store, _compress_args(), change, match)
+
+
+@_needs_ext
+@pytest.mark.parametrize("change, match", [
+    (dict(kv=torch.zeros(4, 64)), "state_store: argument 'kv' must be bfloat16"),
+    (dict(kv=torch.zeros(4, 12, dtype=BF16)), "argument 'kv' must have rows of a positive multiple of 8 values"),
+    (dict(state_score=torch.zeros(3, 32, dtype=BF16)), r"argument 'state_score' must have shape \[3, 64\]"),
+    (dict(slots=torch.zeros(4, dtype=torch.int32)), "argument 'slots' must be int64"),
+    (dict(), "argument 'kv' must be a CUDA tensor"),
+])
+def test_state_store_launcher_rejects(change, match):
+    base = dict(kv=torch.zeros(4, 64, dtype=BF16), score=torch.zeros(4, 64, dtype=BF16),
+                state_kv=torch.zeros(3, 64, dtype=BF16), state_score=torch.zeros(3, 64, dtype=BF16),
+                slots=torch.zeros(4, dtype=I64))
+    _call(_ext._C.state_store, base, change, match)
+
+
+def _mix_args(head=False, T=3, d=64):
+    mixes = 4 if head else 24
+    return dict(x=torch.zeros(T, 4, d), fn=torch.zeros(mixes, 4 * d), scale=torch.ones(1 if head else 3),
+                base=torch.zeros(mixes), y=torch.zeros(T, d), post=None if head else torch.zeros(T, 4),
+                comb=None if head else torch.zeros(T, 4, 4), part=torch.zeros(4096), norm_eps=1e-6, hc_eps=1e-6,
+                iters=20)
+
+
+@_needs_ext
+@pytest.mark.parametrize("change, match", [
+    (dict(x=torch.zeros(3, 4, 64, dtype=torch.float16)), "hc_mix: argument 'x' must be bfloat16 or float32"),
+    (dict(x=torch.zeros(3, 3, 64)), r"argument 'x' must be \[\*L, 4, d\] \(4 streams\)"),
+    (dict(x=torch.zeros(3, 4, 66), fn=torch.zeros(24, 264)), "argument 'x' must have rows of d values, d % 4 == 0"),
+    (dict(fn=torch.zeros(10, 256)), r"argument 'fn' must have 24 \(pre\) or 4 \(head\) rows"),
+    (dict(fn=torch.zeros(24, 128)), "argument 'fn' must have size 256 in dim 1"),
+    (dict(scale=torch.ones(1)), r"argument 'scale' must have shape \[3\]"),
+    (dict(base=torch.zeros(4)), r"argument 'base' must have shape \[24\]"),
+    (dict(y=torch.zeros(3, 64, dtype=BF16)), "argument 'y' must be float32"),
+    (dict(comb=torch.zeros(3, 4)), r"argument 'comb' must have shape \[3, 4, 4\]"),
+    (dict(post=None), "argument 'post' is required"),
+    (dict(iters=0), "argument 'iters' must be >= 1"),
+    (dict(part=torch.zeros(4096, dtype=BF16)), "argument 'part' must be float32"),
+    (dict(), "argument 'x' must be a CUDA tensor"),
+    (_mix_args(head=True), "argument 'x' must be a CUDA tensor"),  # head: no post / comb
+])
+def test_hc_mix_launcher_rejects(change, match):
+    _call(_ext._C.hc_mix, _mix_args(), change, match)
+
+
+@_needs_ext
+@pytest.mark.parametrize("change, match", [
+    (dict(f=torch.zeros(2, 5, 64, dtype=BF16)), "hc_post: argument 'f' must be float32"),
+    (dict(f=torch.zeros(2, 64)), r"argument 'f' must have shape \[2, 5, 64\]"),
+    (dict(post=torch.zeros(2, 5, 4, dtype=BF16)), "argument 'post' must be float32"),
+    (dict(comb=torch.zeros(2, 5, 4, 4)[..., ::2, :]), "argument 'comb' must have shape"),
+    (dict(out=torch.zeros(2, 5, 4, 64).transpose(0, 1)), "argument 'out' must have shape"),
+    (dict(out=torch.zeros(2, 5, 64, 4).transpose(-1, -2)), "argument 'out' must be contiguous"),
+    (dict(), "argument 'f' must be a CUDA tensor"),
+])
+def test_hc_post_launcher_rejects(change, match):
+    base = dict(f=torch.zeros(2, 5, 64), x=torch.zeros(2, 5, 4, 64), post=torch.zeros(2, 5, 4),
+                comb=torch.zeros(2, 5, 4, 4), out=torch.zeros(2, 5, 4, 64))
+    _call(_ext._C.hc_post, base, change, match)

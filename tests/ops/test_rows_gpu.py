@@ -173,6 +173,19 @@ def test_state_store():
     assert torch.equal(skv[:-1], ek[:-1]) and torch.equal(ssc[:-1], es[:-1])  # the last row is the trash row
 
 
+def test_row_launchers_reject_mixed_devices():
+    from deepfuse import _ext
+
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEV)
+    cos, sin = torch.ones(4, 16), torch.zeros(4, 16, device=DEV)
+    with pytest.raises(ValueError, match="norm_rope: argument 'cos' must be a CUDA tensor"):
+        _ext._C.norm_rope(x=x, y=torch.empty_like(x), norm=True, cos=cos, sin=sin)
+    kv = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="state_store: argument 'slots' must be a CUDA tensor"):
+        _ext._C.state_store(kv=kv, score=kv, state_kv=kv.clone(), state_score=kv.clone(),
+                            slots=torch.zeros(4, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("N,B,C", [(1, 1, 300), (9, 3, 2048), (64, 64, 700), (5, 2, 16400)])
 def test_indexer_logits_paged(N, B, C):
     g = _g(N * 7 + C)

@@ -33,15 +33,8 @@ def _f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def launch_rows(x: torch.Tensor, y: Optional[torch.Tensor], *, norm: bool, weight=None, eps: float = 1e-6,
                 cos=None, sin=None, inverse: bool = False, target: Optional[RowTarget] = None, slots=None) -> None:
     """Run csrc/norm's row kernel over x [*L, D] or [*L, H, D] (contiguous bf16; cos/sin [*L, half])."""
-    D = x.shape[-1]
-    rows = x.numel() // D
-    if rows == 0:
+    if x.numel() == 0:
         return
-    H = 1 if cos is None or x.dim() == cos.dim() else x.shape[-2]
-    store = target.launch_args() if target is not None else (0, 0, 0, 0, 0)
-    _ext.ext(x.device).norm_rope(
-        x.data_ptr(), D, rows, H, D, y.data_ptr() if y is not None else 0, norm,
-        weight.data_ptr() if weight is not None else 0, float(eps),
-        cos.data_ptr() if cos is not None else 0, sin.data_ptr() if sin is not None else 0,
-        cos.shape[-1] if cos is not None else 0, inverse, *store, slots.data_ptr() if slots is not None else 0,
-        _ext.stream(x.device))
+    _ext.ext(x.device).norm_rope(x=x, y=y, norm=norm, weight=weight, eps=float(eps), cos=cos, sin=sin,
+                                 inverse=inverse, store=target.kind if target is not None else "none",
+                                 pages=target.pages if target is not None else None, slots=slots)

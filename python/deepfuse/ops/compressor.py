@@ -137,12 +137,12 @@ def _(kv, score, state_kv, state_score, ape, src_fresh, src_state, src_is_fresh,
     rows = torch.empty(nb, D, dtype=kv.dtype, device=kv.device)
     if nb:
         ape, norm_weight, cos, sin = _f32(ape), _f32(norm_weight), _f32(cos), _f32(sin)
-        idx = [t.contiguous() for t in (src_fresh, src_state, src_ape, src_is_fresh, src_valid)]
         _ext.ext(kv.device).compress_store(
-            kv.data_ptr(), score.data_ptr(), kv.stride(0), state_kv.data_ptr(), state_score.data_ptr(),
-            state_kv.stride(0), ape.data_ptr(), *(t.data_ptr() for t in idx), nb, L, ape.shape[0], D, bool(overlap),
-            norm_weight.data_ptr(), float(eps), cos.data_ptr(), sin.data_ptr(), cos.shape[-1], rows.data_ptr(),
-            *target.launch_args(), slots.contiguous().data_ptr(), _ext.stream(kv.device))
+            kv=kv, score=score, state_kv=state_kv, state_score=state_score, ape=ape,
+            src_fresh=src_fresh.contiguous(), src_state=src_state.contiguous(), src_ape=src_ape.contiguous(),
+            src_is_fresh=src_is_fresh.contiguous(), src_valid=src_valid.contiguous(), overlap=bool(overlap),
+            norm_weight=norm_weight, eps=float(eps), cos=cos, sin=sin, y=rows, store=target.kind,
+            pages=target.pages, slots=slots.contiguous())
     return rows
 
 
@@ -171,9 +171,8 @@ def _(kv, score, state_kv, state_score, slots):
     if why is not None:
         need_reference("state_store", why)
         return _state_store.reference(kv, score, state_kv, state_score, slots)
-    _ext.ext(kv.device).state_store(kv.data_ptr(), score.data_ptr(), kv.stride(0), kv.shape[0], kv.shape[-1],
-                                    state_kv.data_ptr(), state_score.data_ptr(), state_kv.stride(0),
-                                    slots.contiguous().data_ptr(), _ext.stream(kv.device))
+    _ext.ext(kv.device).state_store(kv=kv, score=score, state_kv=state_kv, state_score=state_score,
+                                    slots=slots.contiguous())
 
 
 @_state_store.register_fake

@@ -155,13 +155,10 @@ def _check_cuda_rows(op: str, name: str, x: torch.Tensor) -> None:
         raise ValueError(f"deepfuse: {op}: {name} rows must be 16-byte aligned (data pointer and strides)")
 
 
-def _check_cuda_pages(op: str, name: str, cache: torch.Tensor, page_bytes: int) -> None:
+def _check_cuda_pages(op: str, name: str, cache: torch.Tensor) -> None:
+    page_bytes = cache.stride(1) * cache.element_size()
     if cache.data_ptr() % 16 or page_bytes % 16 or (cache.stride(0) * cache.element_size()) % 16:
         raise ValueError(f"deepfuse: {op}: {name} pages must be 16-byte aligned (page_size a multiple of 16)")
-
-
-def _i64(t: Optional[torch.Tensor]) -> bool:
-    return t is not None and t.dtype == torch.int64
 
 
 @_kv_store.register_kernel("cuda")
@@ -169,14 +166,9 @@ def _(cache, kv, index, positions, window):
     L, T = kv.shape[0], kv.shape[1]
     if L == 0 or T == 0 or cache.shape[1] == 0:
         return
-    fp8, ps = _kv_geom(cache)
-    page_bytes = cache.stride(1) * cache.element_size()
     _check_cuda_rows("kv_store", "kv", kv)
-    _check_cuda_pages("kv_store", "cache", cache, page_bytes)
-    _ext.ext(kv.device).kv_store(
-        kv.data_ptr(), kv.stride(0), kv.stride(1), L, T, cache.data_ptr(), cache.stride(0) * cache.element_size(),
-        cache.shape[1], page_bytes, ps, fp8, index.data_ptr(), _i64(index), index.stride(0) if index.dim() == 2 else 0,
-        positions.data_ptr() if positions is not None else 0, _i64(positions), window, _ext.stream(kv.device))
+    _check_cuda_pages("kv_store", "cache", cache)
+    _ext.ext(kv.device).kv_store(kv=kv, cache=cache, index=index, positions=positions, window=window)
 
 
 @_kv_store.register_fake
@@ -210,16 +202,9 @@ def _(cache, k, slot_mapping, scale_fmt):
     L, T = k.shape[0], k.shape[1]
     if L == 0 or T == 0 or cache.shape[1] == 0:
         return
-    fp8 = cache.dtype == torch.uint8
-    ps = cache.shape[2] // F.IDX_ROW_BYTES if fp8 else cache.shape[2]
-    page_bytes = cache.stride(1) * cache.element_size()
     _check_cuda_rows("indexer_key_store", "k", k)
-    _check_cuda_pages("indexer_key_store", "cache", cache, page_bytes)
-    kind = 0 if not fp8 else (1 if scale_fmt == "fp32" else 2)
-    _ext.ext(k.device).indexer_key_store(
-        k.data_ptr(), k.stride(0), k.stride(1), L, T, cache.data_ptr(), cache.stride(0) * cache.element_size(),
-        cache.shape[1], page_bytes, ps, kind, slot_mapping.data_ptr(), _i64(slot_mapping),
-        slot_mapping.stride(0) if slot_mapping.dim() == 2 else 0, _ext.stream(k.device))
+    _check_cuda_pages("indexer_key_store", "cache", cache)
+    _ext.ext(k.device).indexer_key_store(k=k, cache=cache, slots=slot_mapping, scale_fmt=scale_fmt)
 
 
 @_indexer_key_store.register_fake
@@ -228,16 +213,6 @@ def _(cache, k, slot_mapping, scale_fmt):
 
 
 # ----------------------------------------------------------------------------- window copies
-_MODE_RING, _MODE_TABLE, _MODE_DENSE = 0, 1, 2
-
-
-def _side(t: torch.Tensor, ps: int, mode: int, index: Optional[torch.Tensor] = None) -> tuple:
-    two_d = index is not None and index.dim() == 2
-    return (t.data_ptr(), t.stride(0) * t.element_size(), t.shape[1], t.stride(1) * t.element_size(), ps, mode,
-            index.data_ptr() if index is not None else 0, _i64(index),
-            index.stride(0) if two_d else 0, index.shape[1] if two_d else 0)
-
-
 def _gather_out(cache: torch.Tensor, B: int, window: int, dequant: bool) -> torch.Tensor:
     L = cache.shape[0]
     if cache.dtype == torch.uint8 and not dequant:
@@ -277,16 +252,10 @@ def _(cache, lengths, index, window, ring, dequant):
     out = _gather_out(cache, B, window, dequant)
     if out.numel() == 0:
         return out
-    fp8, ps = _kv_geom(cache)
-    _check_cuda_pages("window_gather", "cache", cache, cache.stride(1) * cache.element_size())
-    if fp8 and not dequant:
-        rows, kind, out_ps = out.shape[2] // F.KV_ROW_BYTES, 0, out.shape[2] // F.KV_ROW_BYTES
-    else:
-        rows, kind, out_ps = window, (2 if fp8 else 1), window
-    src = _side(cache, ps, _MODE_RING if ring else _MODE_TABLE, index)
-    dst = _side(out, out_ps, _MODE_DENSE)
-    _ext.ext(cache.device).kv_window_copy(src, dst, lengths.data_ptr(), _i64(lengths), cache.shape[0], B, window,
-                                          rows, kind, True, _ext.stream(cache.device))
+    _check_cuda_pages("window_gather", "cache", cache)
+    # index [B] (ring) or [B, n] (block table) locates the rows; out is dense (one page per request)
+    _ext.ext(cache.device).kv_window_copy(src_cache=cache, src_index=index, dst_cache=out, dst_index=None,
+                                          lengths=lengths, window=window, fill_missing=True)
     return out
 
 
@@ -311,16 +280,11 @@ def _restore_cuda(src, dst, block_table, req_slot, lengths, window, to_ring: boo
     B = lengths.shape[0]
     if B == 0 or src.shape[0] == 0:
         return
-    fp8, sps = _kv_geom(src)
-    _, dps = _kv_geom(dst)
-    _check_cuda_pages("window_restore", "src", src, src.stride(1) * src.element_size())
-    _check_cuda_pages("window_restore", "dst", dst, dst.stride(1) * dst.element_size())
-    if to_ring:
-        s, d = _side(src, sps, _MODE_TABLE, block_table), _side(dst, dps, _MODE_RING, req_slot)
-    else:
-        s, d = _side(src, sps, _MODE_RING, req_slot), _side(dst, dps, _MODE_TABLE, block_table)
-    _ext.ext(src.device).kv_window_copy(s, d, lengths.data_ptr(), _i64(lengths), src.shape[0], B, window, window,
-                                        0 if fp8 else 1, False, _ext.stream(src.device))
+    _check_cuda_pages("window_restore", "src", src)
+    _check_cuda_pages("window_restore", "dst", dst)
+    src_index, dst_index = (block_table, req_slot) if to_ring else (req_slot, block_table)
+    _ext.ext(src.device).kv_window_copy(src_cache=src, src_index=src_index, dst_cache=dst, dst_index=dst_index,
+                                        lengths=lengths, window=window, fill_missing=False)
 
 
 @op("kv_window_to_ring", "(Tensor pages, Tensor(a!) ring, Tensor block_table, Tensor req_slot, Tensor lengths, int window) -> ()")
@@ -535,7 +499,7 @@ def indexer_key_dequant(cache: IndexerKeyPages) -> torch.Tensor:
 # ----------------------------------------------------------------------------- row targets
 # Where a fused kernel (ops.norm_rope_store, ops.compress_store) stores its rows: one
 # layer's pages of a cache in one of the kv_format formats.
-ROW_STORE_KINDS = {"kv_fp8": 1, "idx_fp8": 2, "idx_fp8_ue8m0": 3, "dense": 4}
+ROW_STORE_KINDS = ("kv_fp8", "idx_fp8", "idx_fp8_ue8m0", "dense")
 
 
 class RowTarget:
@@ -550,7 +514,7 @@ class RowTarget:
         self.pages, self.kind, self.page_size = pages, kind, page_size
 
     def check(self, op: str, D: int, device) -> None:
-        check_choice(op, "target kind", self.kind, tuple(ROW_STORE_KINDS))
+        check_choice(op, "target kind", self.kind, ROW_STORE_KINDS)
         fp8 = self.kind != "dense"
         dims = {"kv_fp8": F.KV_DIM, "idx_fp8": F.IDX_DIM, "idx_fp8_ue8m0": F.IDX_DIM}
         if fp8 and D != dims[self.kind]:
@@ -570,12 +534,6 @@ class RowTarget:
 
     def kernel_ok(self) -> bool:
         return self.kind != "dense" or self.pages.dtype == torch.bfloat16
-
-    def launch_args(self) -> tuple:
-        """(store kind, pages ptr, page_bytes, num_pages, page_size) for the _C launchers."""
-        p = self.pages
-        return (ROW_STORE_KINDS[self.kind], p.data_ptr(), p[0].numel() * p.element_size(), p.shape[0],
-                self.page_size)
 
 
 def store_rows(target: RowTarget, rows: torch.Tensor, slots: torch.Tensor) -> None:

@@ -93,20 +93,21 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mix_cuda(x, fn, scale, base, norm_eps, hc_eps, iters, head):
+    """-> (y, post, comb) of the pre mix, (y, None, None) of the head."""
     lead, n, d = x.shape[:-2], x.shape[-2], x.shape[-1]
-    xc, fc = x.contiguous(), _f32(fn)
-    scale, base = _f32(scale), _f32(base)
+    xc = x.contiguous()
     T = xc.numel() // (n * d)
     y = torch.empty(*lead, d, dtype=x.dtype, device=x.device)
-    post = torch.empty(*lead, n, dtype=torch.float32, device=x.device)
-    comb = torch.empty(*lead, n, n, dtype=torch.float32, device=x.device)
+    post = comb = None
+    if not head:
+        post = torch.empty(*lead, n, dtype=torch.float32, device=x.device)
+        comb = torch.empty(*lead, n, n, dtype=torch.float32, device=x.device)
     if T:
         C = _ext.ext(x.device)
         mixes = n if head else (2 + n) * n
         part = torch.empty(T * C.hc_mix_splits(T, d) * (mixes + 1), dtype=torch.float32, device=x.device)
-        C.hc_mix(xc.data_ptr(), x.dtype == torch.bfloat16, fc.data_ptr(), scale.contiguous().data_ptr(),
-                 base.contiguous().data_ptr(), y.data_ptr(), post.data_ptr(), comb.data_ptr(), part.data_ptr(), T, d,
-                 head, float(norm_eps), float(hc_eps), int(iters), _ext.stream(x.device))
+        C.hc_mix(x=xc, fn=_f32(fn), scale=_f32(scale), base=_f32(base), y=y, post=post, comb=comb, part=part,
+                 norm_eps=float(norm_eps), hc_eps=float(hc_eps), iters=int(iters))
     return y, post, comb
 
 
@@ -144,9 +145,7 @@ def _(f, x, post, comb):
     T = xc.numel() // (4 * d)
     out = torch.empty_like(xc)
     if T:
-        _ext.ext(x.device).hc_post(fc.data_ptr(), xc.data_ptr(), x.dtype == torch.bfloat16,
-                                   pc.data_ptr(), cc.data_ptr(), out.data_ptr(), T, d,
-                                   _ext.stream(x.device))
+        _ext.ext(x.device).hc_post(f=fc, x=xc, post=pc, comb=cc, out=out)
     return out
 
 
