@@ -191,19 +191,26 @@ def plan_of(dtype, B, N, k, sorted_=False) -> str:
 
 
 def run_case(dtype, B, N, k, *, kind="randn", use_lengths=False, sorted_=False, return_values=True,
-             index_dtype=torch.int32, seed=0, x=None):
+             index_dtype=torch.int32, seed=0, x=None, margin=None):
+    """margin: the launcher's threshold margin instead of the plan's (through _C: the op has none)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if x is None:
         x = make_input(kind, B, N, dtype, "cuda", gen)
     lengths = ragged(B, N, k, "cuda", seed) if use_lengths else None
     tag = (f"{str(dtype).removeprefix('torch.')} B={B} N={N} k={k} kind={kind} lengths={use_lengths} "
            f"sorted={sorted_} vals={return_values} idx={str(index_dtype).removeprefix('torch.')} "
-           f"{plan_of(dtype, B, N, k, sorted_)}")
+           f"{plan_of(dtype, B, N, k, sorted_)}" + (f" margin={margin}" if margin is not None else ""))
     # poison the allocator's free blocks so that unwritten outputs show up
     junk = torch.empty(B * k * 16 + 1024, dtype=torch.uint8, device="cuda").fill_(0x5A)
     del junk
-    r = ops.topk(x, k, lengths=lengths, sorted=sorted_, return_values=return_values, index_dtype=index_dtype)
-    values, indices = r if return_values else (None, r)
+    if margin is None:
+        r = ops.topk(x, k, lengths=lengths, sorted=sorted_, return_values=return_values, index_dtype=index_dtype)
+        values, indices = r if return_values else (None, r)
+    else:
+        indices = torch.empty(B, k, dtype=index_dtype, device="cuda")
+        values = torch.empty(B, k, dtype=dtype, device="cuda") if return_values else None
+        _ext.ext(x.device).topk(x=x, k=k, lengths=lengths, values=values, indices=indices, sorted=sorted_,
+                                margin=margin)
     assert indices.dtype == index_dtype, tag
     check(x, k, lengths, sorted_, values, indices, tag)
     return x, lengths, values, indices
@@ -425,6 +432,67 @@ def test_compile_fullgraph_cpu():
     assert torch.equal(torch.sort(buf, 1).values, torch.sort(ri, 1).values)
 
 
+# ----------------------------------------------------------------------------- the C++ launcher's checks
+def _launcher_args(B=4, N=64, k=8, dtype=torch.bfloat16, index_dtype=torch.int32, device="cpu", **change):
+    a = dict(x=torch.randn(B, N, device=device).to(dtype), k=k, lengths=None,
+             values=torch.empty(B, k, dtype=dtype, device=device),
+             indices=torch.empty(B, k, dtype=index_dtype, device=device), sorted=False)
+    a.update(change)
+    return a
+
+
+@pytest.mark.skipif(not _ext.has_cuda_kernels(), reason="needs the compiled extension")
+@pytest.mark.parametrize("change, match", [
+    (dict(dtype=torch.float64), r"topk: argument 'x' must be bfloat16 or float16 or float32 \(got float64\[4, 64\]"),
+    (dict(x=torch.randn(4, 64, 2)), r"argument 'x' must have 2 dims"),
+    (dict(x=torch.randn(64, 4).t()), r"argument 'x' must have stride 1 in its last dim"),
+    (dict(k=0), r"argument 'k' must be in \[1, 4096\] \(got 0\)"),
+    (dict(k=4097), r"argument 'k' must be in \[1, 4096\]"),
+    (dict(lengths=torch.zeros(4, dtype=torch.int64)), r"argument 'lengths' must be int32"),
+    (dict(lengths=torch.zeros(3, dtype=torch.int32)), r"argument 'lengths' must have shape \[4\]"),
+    (dict(indices=torch.empty(4, 8)), r"argument 'indices' must be int32 or int64"),
+    (dict(indices=torch.empty(4, 7, dtype=torch.int32)), r"argument 'indices' must have shape \[4, 8\]"),
+    (dict(indices=torch.empty(8, 4, dtype=torch.int32).t()), r"argument 'indices' must be contiguous"),
+    (dict(values=torch.empty(4, 8)), r"argument 'values' must be bfloat16 \(got float32\[4, 8\]"),
+    (dict(slot_map=torch.zeros(4, 64, dtype=torch.int64)), r"argument 'indices' must be int64 with a slot_map"),
+    (dict(index_dtype=torch.int64, slot_map=torch.zeros(4, 63, dtype=torch.int64)),
+     r"argument 'slot_map' must have >= 64 columns"),
+    (dict(index_dtype=torch.int64, slot_map=torch.zeros(4, 64, dtype=torch.int32)),
+     r"argument 'slot_map' must be int64"),
+    (dict(index_dtype=torch.int64, map_rows=torch.zeros(4, dtype=torch.int64)), r"argument 'map_rows' needs a slot_map"),
+    (dict(index_dtype=torch.int64, slot_map=torch.zeros(2, 64, dtype=torch.int64),
+          map_rows=torch.zeros(4, dtype=torch.int32)), r"argument 'map_rows' must be int64"),
+    (dict(), r"argument 'x' must be a CUDA tensor \(got bfloat16\[4, 64\] on cpu\)"),
+    (dict(lengths=torch.zeros(4, dtype=torch.int32)), r"argument 'x' must be a CUDA tensor"),
+])
+def test_launcher_rejects_bad_arguments(change, match):
+    """The C++ launcher checks dtype and shape (testable on CPU), then the device."""
+    a = _launcher_args(**{k: change.pop(k) for k in ("dtype", "index_dtype") if k in change})
+    a.update(change)
+    with pytest.raises(ValueError, match=match):
+        _ext._C.topk(**a)
+
+
+@pytest.mark.skipif(not _ext.has_cuda_kernels(), reason="needs the compiled extension")
+def test_launcher_plan_rejects_bad_dtype():
+    with pytest.raises(ValueError, match=r"topk_plan: argument 'dtype' must be bfloat16, float16 or float32"):
+        _ext._C.topk_plan(dtype="float64", B=1, N=8, k=1, sorted=False)
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_rejects_mixed_devices():
+    a = _launcher_args(device="cuda")
+    a["indices"] = a["indices"].cpu()
+    with pytest.raises(ValueError, match="argument 'indices' must be a CUDA tensor"):
+        _ext._C.topk(**a)
+    a = _launcher_args(device="cuda", lengths=torch.full((4,), 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="argument 'lengths' must be a CUDA tensor"):
+        _ext._C.topk(**a)
+    a = _launcher_args(device="cuda")
+    _ext._C.topk(**a)  # the same arguments on one device launch
+    check(a["x"], 8, None, False, a["values"], a["indices"], "launcher")
+
+
 # ----------------------------------------------------------------------------- GPU
 KINDS = ["randn", "scores", "ties", "special", "narrow", "ramp", "allsame", "relu"]
 
@@ -530,23 +598,18 @@ def test_gpu_short_row_kernel(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_gpu_fallback_paths(dtype):
-    # The sampled threshold too high on most rows (a negative margin through the testing
-    # hook): with z = -1 the fallback's retry from the sample at z + 3 = 2 mostly succeeds,
-    # with z = -4 it mostly misses too and the row is streamed from 0. Clusters (G = 8, 2),
-    # one 512-thread CTA with and without per-warp segments, 256-thread CTAs (from 0 at once).
-    ext = _ext.ext(torch.device("cuda"))
-    # (heavy ties put a 16-bit threshold below a tie group: no fallback; one case only)
+    # The sampled threshold too high on most rows (a negative margin through the launcher's
+    # margin argument): with z = -1 the fallback's retry from the sample at z + 3 = 2 mostly
+    # succeeds, with z = -4 it mostly misses too and the row is streamed from 0. Clusters
+    # (G = 8, 2), one 512-thread CTA with and without per-warp segments, 256-thread CTAs (from 0
+    # at once). (heavy ties put a 16-bit threshold below a tie group: no fallback; one case only)
     cases = [(1, 131072, 1024, "randn"), (16, 131072, 2048, "scores"), (2, 40000, 512, "ties"),
              (100, 100000, 50, "randn"), (100, 50000, 512, "scores"), (300, 30000, 512, "randn"),
              (1, 1_000_003, 4096, "scores")]
-    try:
-        for z in (-1.0, -4.0):
-            ext.topk_set_margin(z)
-            for j, (B, N, k, kind) in enumerate(cases):
-                run_case(dtype, B, N, k, kind=kind, use_lengths=j % 2 == 1, sorted_=j == 2, seed=j)
-    finally:
-        ext.topk_set_margin(float("nan"))
-    run_case(dtype, 16, 131072, 2048, seed=1)  # the policy again
+    for z in (-1.0, -4.0):
+        for j, (B, N, k, kind) in enumerate(cases):
+            run_case(dtype, B, N, k, kind=kind, use_lengths=j % 2 == 1, sorted_=j == 2, seed=j, margin=z)
+    run_case(dtype, 16, 131072, 2048, seed=1)  # the plan's margin
 
 
 @pytest.mark.gpu
@@ -772,16 +835,11 @@ def test_sanitize_small(dtype):
     run_case(dtype, 2, 40000, 4096, kind="relu", use_lengths=True, seed=15)
     run_case(dtype, 140, 3001, 512, kind="zeros", seed=16)
     run_case(dtype, 2, 30001, 700, kind="allsame", sorted_=True, seed=17)
-    # the fallback's sampled retry and its stream from 0 (testing hook: the sampled threshold
-    # too high): a cluster, one CTA
-    ext = _ext.ext(torch.device("cuda"))
-    try:
-        for z in (-1.0, -4.0):
-            ext.topk_set_margin(z)
-            run_case(dtype, 2, 70000, 1000, kind="scores", use_lengths=True, seed=12)
-            run_case(dtype, 1, 30000, 700, kind="randn", seed=13)
-    finally:
-        ext.topk_set_margin(float("nan"))
+    # the fallback's sampled retry and its stream from 0 (a negative margin: the sampled
+    # threshold too high): a cluster, one CTA
+    for z in (-1.0, -4.0):
+        run_case(dtype, 2, 70000, 1000, kind="scores", use_lengths=True, seed=12, margin=z)
+        run_case(dtype, 1, 30000, 700, kind="randn", seed=13, margin=z)
 
 
 @pytest.mark.gpu

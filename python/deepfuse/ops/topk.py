@@ -117,13 +117,10 @@ def _topk_slots(x, k, lengths, slot_map, map_rows):
 
 @_topk_slots.register_kernel("cuda")
 def _(x, k, lengths, slot_map, map_rows):
-    B, N = x.shape
-    out = torch.empty(B, k, dtype=torch.int64, device=x.device)
-    if B:
-        C = _ext.ext(x.device)
-        C.topk(x.data_ptr(), _DTYPES.index(x.dtype), B, N, x.stride(0) if B > 1 else N, k, lengths.data_ptr(), 0,
-               out.data_ptr(), True, False, _ext.stream(x.device), slot_map=slot_map.data_ptr(),
-               map_ld=slot_map.stride(0), map_rows=map_rows.data_ptr())
+    out = torch.empty(x.shape[0], k, dtype=torch.int64, device=x.device)
+    if x.shape[0]:
+        _ext.ext(x.device).topk(x=x, k=k, lengths=lengths, indices=out, sorted=False, slot_map=slot_map,
+                                map_rows=map_rows)
     return out
 
 
@@ -155,18 +152,14 @@ def topk_slots(x: torch.Tensor, k: int, lengths: torch.Tensor, slot_map: torch.T
 def launch_plan(dtype: torch.dtype, B: int, N: int, k: int, sorted: bool = False) -> tuple[int, int, int, int]:
     """The CUDA kernel's plan for a shape with 16-byte aligned rows (needs a GPU): (CTAs per
     row, threads per CTA, shared memory bytes per CTA, kernel: 0 general, 1 short rows)."""
-    return tuple(_ext.ext(torch.device("cuda")).topk_plan(_DTYPES.index(dtype), B, N, k, sorted))
+    e = _ext.ext(torch.device("cuda"))
+    return tuple(e.topk_plan(dtype=str(dtype).removeprefix("torch."), B=B, N=N, k=k, sorted=sorted, device=e.index))
 
 
 def _launch(x, k, lengths, sorted, indices, values):
-    B, N = x.shape
-    if B == 0:
+    if x.shape[0] == 0:
         return
-    C = _ext.ext(x.device)
-    C.topk(x.data_ptr(), _DTYPES.index(x.dtype), B, N, x.stride(0) if B > 1 else N, k,
-           lengths.data_ptr() if lengths is not None else 0,
-           values.data_ptr() if values is not None else 0,
-           indices.data_ptr(), indices.dtype == torch.int64, bool(sorted), _ext.stream(x.device))
+    _ext.ext(x.device).topk(x=x, k=k, lengths=lengths, values=values, indices=indices, sorted=bool(sorted))
 
 
 # ----------------------------------------------------------------------------- public API
