@@ -39,7 +39,7 @@ static void check_like(const char* op, const char* name, const TensorArg& t, DTy
 }
 
 // x [*L, 4, d]; fn fp32 [mixes, 4 d] with mixes 24 (pre) or 4 (head); scale fp32 [3] (head:
-// [1] or more); base fp32 [mixes]. -> y [*L, d] (x's dtype); pre also post fp32 [*L, 4] and
+// at least one value); base fp32 [mixes]. -> y [*L, d] (x's dtype); pre also post fp32 [*L, 4] and
 // comb fp32 [*L, 4, 4] (head: None). part: fp32 workspace of at least
 // T * hc_mix_splits(T, d) * (mixes + 1) values (T = the tokens of x).
 void hc_mix(const TensorArg& x, const TensorArg& fn, const TensorArg& scale, const TensorArg& base,
@@ -53,7 +53,7 @@ void hc_mix(const TensorArg& x, const TensorArg& fn, const TensorArg& scale, con
   if (mixes != 24 && mixes != 4) cf.fail("must have 24 (pre) or 4 (head) rows");
   const bool head = mixes == 4;
   cf.size(1, 4 * d);
-  if (head) Check(op, "scale", scale).dtype(DType::kF32).dim(1).contiguous();
+  if (head) Check(op, "scale", scale).dtype(DType::kF32).contiguous();
   else Check(op, "scale", scale).dtype(DType::kF32).shape({3}).contiguous();
   if (scale.numel() < 1) Check(op, "scale", scale).fail("must have at least one value");
   Check(op, "base", base).dtype(DType::kF32).shape({mixes}).contiguous();
