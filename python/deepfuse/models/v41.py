@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from deepfuse import ops
 from deepfuse.ops import engram as E
+from deepfuse.ops.kvcache import store_rows
 
 from . import mhc
 from .attention import Attention
@@ -184,6 +185,26 @@ class EngramHasher:
         ngram = E.ngram_ids(tm[ids.long()], self.pad_id, self.max_ngram, history)
         return ops.engram_hash(ngram.reshape(-1, self.max_ngram), mult, primes, offsets)
 
+    def step_hashes(self, ids: torch.Tensor, positions: torch.Tensor, tok_start: torch.Tensor,
+                    tok_history: torch.Tensor) -> torch.Tensor:
+        """A flat engine step: ids, positions [N] (each request's chunk contiguous), the chunk
+        start of each token's request [N] and the compressed ids of the M - 1 positions before
+        that start [N, M - 1] (-1 = none; engine/engram_state.py) -> rows [N, L, C]."""
+        tm, mult, primes, offsets = self.consts(ids.device)
+        M = self.max_ngram
+        cid = tm[ids.long()]
+        ar = torch.arange(ids.shape[0], device=ids.device)
+        blocked = torch.zeros_like(ids, dtype=torch.bool)
+        cols = []
+        for s in range(M):
+            q = positions - s
+            hcol = (M - 1) - (tok_start - q)
+            hist = tok_history.gather(1, hcol.clamp(0, M - 2).unsqueeze(1)).squeeze(1)
+            src = torch.where(q >= tok_start, cid[(ar - s).clamp(min=0)], torch.where(hcol >= 0, hist, -1))
+            blocked = blocked | (src < 0) | (q < 0)
+            cols.append(torch.where(blocked, torch.full_like(src, self.pad_id), src))
+        return ops.engram_hash(torch.stack(cols, dim=-1), mult, primes, offsets)
+
 
 # ----------------------------------------------------------------------------- compressor / indexer
 class V41Compressor(nn.Module):
@@ -209,6 +230,25 @@ class V41Compressor(nn.Module):
         xs = x[:, :nb * r]
         pooled = ops.compress_pool(self.wkv(xs).unflatten(1, (nb, r)), self.wgate(xs).unflatten(1, (nb, r)))
         return self.norm(pooled)
+
+    def step(self, x: torch.Tensor, plan, cache, rope: RopeTable, indexer: "V41Indexer") -> None:
+        """One flat step x [N, d] (plan: its CompressPlan of this ratio, no overlap): pools the
+        blocks the step completes from the state ring and this step's projections, stores
+        their rows (RoPE at the block start) and indexer keys in the layer's pages, keeps each
+        request's open group in its state ring."""
+        kv = self.wkv(x)
+        score = self.wgate(x) if self.wgate is not None else torch.zeros_like(kv)
+        skv, ssc = cache.states["attn"]
+        if plan.num_blocks:
+            fresh = plan.src_is_fresh.unsqueeze(-1)
+            kvs = torch.where(fresh, kv[plan.src_fresh], skv[plan.src_state].to(kv.dtype))
+            scs = torch.where(fresh, score[plan.src_fresh], ssc[plan.src_state].to(score.dtype))
+            scs = scs.masked_fill(~plan.src_valid.unsqueeze(-1), float("-inf"))
+            latent = self.norm(ops.compress_pool(kvs, scs))
+            cos, sin = rope(plan.blk_pos)
+            store_rows(cache.target("attn"), ops.rope(latent, cos, sin), plan.blk_slot)
+            store_rows(cache.target("index"), indexer.keys(latent, cos, sin), plan.blk_slot)
+        ops.state_store(kv, score, skv, ssc, plan.state_slots)
 
 
 def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, blocks: int, block_size: int) -> torch.Tensor:
@@ -267,6 +307,23 @@ class V41Indexer(nn.Module):
         elif self.uses_candidates:
             scores = scores.masked_fill(~shared["candidates"], float("-inf"))
         return select_topk(scores, min(self.topk, C), visible.view(1, T).expand(B, T))
+
+    def step(self, x, qr, ctx, plan, cache, cos, sin, shared: dict) -> Optional[torch.Tensor]:
+        """One flat step: x [N, d], qr [N, q_lora] -> cache slots [N, k] of the selected
+        compressed rows (-1 = none), or None when no request has an entry yet."""
+        C = plan.max_entries
+        if C == 0:
+            return None
+        q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        scores = ops.indexer_logits_paged(q, w, cache.index, cache.page_size, plan.entry_slots, ctx.token_req,
+                                          plan.n_vis, self.head_dim ** -0.5)
+        if self.is_candidate_source:
+            shared["candidates"] = candidate_mask(scores[None], plan.n_vis.long(), self.cfg.candidate_topk_blocks,
+                                                  self.cfg.candidate_block_size)[0]
+        elif self.uses_candidates:
+            scores = scores.masked_fill(~shared["candidates"], float("-inf"))
+        return ops.topk_slots(scores.contiguous(), min(self.topk, C), plan.n_vis, plan.entry_slots, ctx.token_req)
 
 
 # ----------------------------------------------------------------------------- attention / block
@@ -327,6 +384,30 @@ class V41Attention(nn.Module):
         o = ops.sparse_attention(q, rows, idx, self.attn_sink, self.head_dim ** -0.5)
         return Attention._out(self, ops.rope(o, cos, sin, inverse=True))
 
+    def step(self, x: torch.Tensor, ctx, cache, rope: RopeTable, shared: dict) -> torch.Tensor:
+        """One engine step: x [N, d] (attn_norm-ed) of the flat batch -> [N, d]. cache: this
+        layer's view (engine/v41_cache.py: a compressed layer sees its kv source's pages)."""
+        cos, sin = ctx.rope(self.rope_kind, rope)
+        qr = self.q_norm(self.wq_a(x))
+        q = ops.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
+        win = ctx.window
+        kv = ops.norm_rope_store(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache.window_target(),
+                                 win.scratch_slots)
+        extra = {}
+        if self.ratio:
+            plan = ctx.plans[(self.ratio, False)]
+            if self.compressor is not None:
+                self.compressor.step(x, plan, cache, rope, self.indexer)
+            if self.indexer is not None:
+                shared["sel"] = self.indexer.step(x, qr, ctx, plan, cache, cos, sin, shared)
+            sel = shared.get("sel")
+            if sel is not None:
+                extra = dict(extra_indices=sel.contiguous(), extra_kv=cache.comp, extra_page_size=cache.page_size)
+        o, _ = ops.sparse_attention_paged(q, cache.ring, cache.ring_page_size, win.win_idx, self.attn_sink,
+                                          self.head_dim ** -0.5, inv_rope=(cos, sin), **extra)
+        cache.store_window(kv, win.ring_slots)
+        return Attention._out(self, o)
+
 
 class V41Block(nn.Module):
     """Official names: attn, ffn, attn_norm, ffn_norm, hc_{attn,ffn}_{fn,base,scale}, engram."""
@@ -350,6 +431,16 @@ class V41Block(nn.Module):
         attn_pre, post, comb = hc_mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, cfg)
         h = self.attn(self.attn_norm(hc_collapse(x, pre)), positions, ropes[self.attn.rope_kind], shared)
         x = ops.hc_post(h, x, post, comb)
+        ffn_pre, post, comb = hc_mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, cfg)
+        h = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), None)
+        return ops.hc_post(h, x, post, comb), ffn_pre
+
+    def step(self, x, pre, ctx, cache, ropes, shared: dict):
+        """One flat engine step: streams x [1, N, n, d], pre [1, N, n] -> (streams, FFN pre)."""
+        cfg = self.cfg
+        attn_pre, post, comb = hc_mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, cfg)
+        h = self.attn.step(self.attn_norm(hc_collapse(x, pre))[0], ctx, cache, ropes[self.attn.rope_kind], shared)
+        x = ops.hc_post(h[None], x, post, comb)
         ffn_pre, post, comb = hc_mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, cfg)
         h = self.ffn(self.ffn_norm(hc_collapse(x, attn_pre)), None)
         return ops.hc_post(h, x, post, comb), ffn_pre
@@ -449,6 +540,37 @@ class V41Model(nn.Module):
             x, pre = layer(x, pre, positions, self.ropes, shared)
         logits = self.head(self.norm(hc_collapse(x, pre))).float()
         return (logits, x) if return_streams else logits
+
+    @scoped(full=False, cache_arg=1)
+    def forward_step(self, ctx, cache, *, return_streams: bool = False):
+        """One engine step over the flat batch of ctx (deepfuse.step.StepContext) with a
+        V4.1 cache (engine/v41_cache.py) -> logits [R, vocab] (fp32) of ctx.logits_indices.
+        Engram needs ctx.engram_history [B, M - 1] (engine/engram_state.py) unless every
+        chunk starts at position 0."""
+        cfg = self.cfg
+        ids = ctx.input_ids
+        hashes = None
+        if self.engram_hasher is not None:
+            M = cfg.engram_max_ngram_size
+            starts = torch.from_numpy(np.repeat(np.asarray(ctx.starts, np.int64), ctx.counts)).to(ids.device)
+            hist = getattr(ctx, "engram_history", None)
+            if hist is None:
+                if (np.asarray(ctx.starts) > 0).any():
+                    raise ValueError("deepfuse: V4.1 step: chunks after position 0 need ctx.engram_history (the "
+                                     "Engram n-gram history, engine/engram_state.py)")
+                hist = torch.full((ctx.num_reqs, M - 1), E.DEAD, dtype=torch.int64, device=ids.device)
+            hashes = self.engram_hasher.step_hashes(ids, ctx.positions, starts,
+                                                    torch.as_tensor(hist, device=ids.device)[ctx.token_req])
+        x = mhc.expand(self.embed(ids).to(self.dtype), cfg)[None]
+        pre = first_pre(x)
+        shared: dict = {}
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                x = layer.engram(x, hashes[:, cfg.engram_layer_ids.index(i)])
+            x, pre = layer.step(x, pre, ctx, cache.layer(i), self.ropes, shared)
+        rows = ctx.logits_indices
+        logits = self.head(self.norm(hc_collapse(x[0, rows], pre[0, rows]))).float()
+        return (logits, x[0]) if return_streams else logits
 
 
 def checkpoint_tensors(model: V41Model) -> dict:

@@ -1,0 +1,95 @@
+"""The V4.1 engine step (V41Model.forward_step on engine/v41_cache.py's pages, the engine's
+step contexts and engram_state's history) equals the full forward token for token: several
+requests batched together, chunked prefill of random chunk sizes, greedy decode; every
+sampled row's logits equal the full forward's at that position."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from deepfuse.engine.context import build_context
+from deepfuse.engine.engram_state import engram_history
+from deepfuse.engine.request import Request, SamplingParams
+from deepfuse.engine.scheduler import ScheduledChunk
+from deepfuse.engine.v41_cache import V41CacheManager
+from deepfuse.models import tiny
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.load("v4.1")
+
+
+def generate(model, prompts, new_tokens, chunk, seed, kv_dtype="auto"):
+    """Greedy generation through engine steps -> (sequences, [(request, position, logits row)])."""
+    r = random.Random(seed)
+    cfg = model.cfg
+    cache = V41CacheManager(cfg, model_dtype=model.dtype, device="cpu", kv_dtype=kv_dtype, max_num_seqs=4,
+                            max_num_batched_tokens=512, max_total_tokens=4096, max_model_len=256, page_size=16)
+    reqs = [Request(str(i), list(p), SamplingParams(), 0, i) for i, p in enumerate(prompts)]
+    rcs = [cache.admit() for _ in reqs]
+    rows = []
+    tm = model.engram_hasher.token_map.numpy()
+    while any(len(q.output_token_ids) < new_tokens for q in reqs):
+        chunks, live = [], []
+        for q, rc in zip(reqs, rcs):
+            if len(q.output_token_ids) >= new_tokens:
+                continue
+            left = q.num_tokens - q.num_computed
+            n = min(left, r.randint(1, chunk))
+            chunks.append(ScheduledChunk(q, q.num_computed, n))
+            live.append(rc)
+            cache.grow(rc, q.num_computed + n)
+        cache.flush()
+        ids = np.concatenate([np.asarray(c.req.tokens(c.start, c.start + c.count), np.int64) for c in chunks])
+        starts = np.asarray([c.start for c in chunks], np.int64)
+        counts = np.asarray([c.count for c in chunks], np.int64)
+        slots = np.asarray([rc.slot for rc in live], np.int64)
+        num_logits = np.asarray([1 if c.samples else 0 for c in chunks], np.int64)
+        ctx = build_context(ids, starts, counts, slots, num_logits, cache.geometry, cache.block_tables, "cpu",
+                            cache.host_block_tables)
+        ctx.engram_history = torch.from_numpy(engram_history(chunks, tm, cfg.engram_max_ngram_size))
+        logits = model.forward_step(ctx, cache)
+        k = 0
+        for c in chunks:
+            c.req.num_computed += c.count
+            if c.samples:
+                rows.append((c.req, c.start + c.count - 1, logits[k]))
+                c.req.append_token(int(logits[k].argmax()))
+                k += 1
+    return [q.tokens(0, q.num_tokens) for q in reqs], rows, reqs
+
+
+@pytest.mark.parametrize("seed,chunk", [(0, 1), (1, 5), (2, 40)])
+def test_step_equals_full_forward(model, seed, chunk):
+    g = torch.Generator().manual_seed(seed)
+    lens = [3, 17, 26][: 2 + seed % 2]
+    prompts = [torch.randint(0, 129280, (n,), generator=g).tolist() for n in lens]
+    seqs, rows, reqs = generate(model, prompts, 8, chunk, seed)
+    for q, seq in zip(reqs, seqs):
+        full = model(torch.tensor([seq]))[0]
+        # greedy: every generated token is the full forward's argmax at the position before it
+        P = len(q.prompt_token_ids)
+        assert full[P - 1:len(seq) - 1].argmax(-1).tolist() == seq[P:]
+        for req, pos, lg in rows:
+            if req is q:
+                torch.testing.assert_close(lg, full[pos], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_lossy_cache_formats_run(model, kv_dtype):
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 129280, (n,), generator=g).tolist() for n in (5, 19)]
+    seqs, rows, reqs = generate(model, prompts, 6, 7, 9, kv_dtype=kv_dtype)
+    assert all(torch.isfinite(lg).all() for _, _, lg in rows)
+    if kv_dtype == "fp8":
+        # FP8 rows flip near-tied expert choices of this random model from layer 0 on (V4's
+        # tiny hash-routes its first layers): only that it runs is checked here
+        return
+    # the first sampled row of each request: its prompt read back through the bf16 cache
+    for q in reqs:
+        lg = next(lg for req, _, lg in rows if req is q)
+        full = model(torch.tensor([q.tokens(0, len(q.prompt_token_ids))]))[0, -1]
+        err = (lg - full).abs().max() / full.abs().max()
+        assert err < 0.1, (kv_dtype, float(err))
