@@ -235,10 +235,13 @@ Check& Check::shape(std::initializer_list<int64_t> s) {
   int i = 0;
   for (int64_t n : s) {
     if (n >= 0 && t_.shape[i] != n) {
-      std::string want = "[";
+      std::ostringstream want;
       int j = 0;
-      for (int64_t m : s) want += (j++ ? ", " : "") + (m >= 0 ? std::to_string(m) : std::string("*"));
-      fail("must have shape " + want + "]");
+      for (int64_t m : s) {
+        want << (j++ ? ", " : "[");
+        if (m >= 0) want << m; else want << '*';
+      }
+      fail("must have shape " + want.str() + "]");
     }
     ++i;
   }
