@@ -62,7 +62,7 @@ void topk(const TensorArg& x, int k, const TensorArg& lengths, const TensorArg& 
   DeviceScope scope(op, "x", x);
   const int64_t ld = B > 1 ? x.strides(0) : N;  // a single row's stride may be anything
   const bool aligned = reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0 && (ld * dtype_bytes(x.dtype)) % 16 == 0;
-  TopkPlan plan = topk_plan(dtype, B, N, k, sorted, aligned);
+  TopkPlan plan = topk_plan(dtype, B, N, k, sorted, num_sms(), aligned);
   if (!std::isnan(margin)) plan.margin = static_cast<float>(margin);
   TopkArgs a{x.data, ld, lengths.ptr<const int32_t>(), values.data, indices.data, static_cast<int>(N), k, idx64,
              sorted, slot_map.ptr<const int64_t>(), slot_map.defined() ? slot_map.strides(0) : 0,
@@ -70,7 +70,8 @@ void topk(const TensorArg& x, int k, const TensorArg& lengths, const TensorArg& 
   deepfuse::topk(a, dtype, B, plan, as_cuda_stream(scope));
 }
 
-// The plan topk() runs for a shape with 16-byte aligned rows on CUDA device `device`.
+// The plan topk() runs for a shape with 16-byte aligned rows on CUDA device `device`
+// (-1: the current one).
 py::tuple topk_plan(const std::string& dtype, int64_t B, int64_t N, int k, bool sorted, int device) {
   TopkDtype d;
   if (dtype == "bfloat16") d = TopkDtype::kBf16;
@@ -78,20 +79,10 @@ py::tuple topk_plan(const std::string& dtype, int64_t B, int64_t N, int k, bool 
   else if (dtype == "float32") d = TopkDtype::kF32;
   else throw std::invalid_argument("deepfuse.topk_plan: argument 'dtype' must be bfloat16, float16 or float32 (got " +
                                    dtype + ")");
-  int prev = -1;
-  if (device >= 0) {
-    check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
-    if (prev == device) prev = -1;
-    else check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  TopkPlan p{};
-  try {
-    p = deepfuse::topk_plan(d, B, N, k, sorted);
-  } catch (...) {
-    if (prev >= 0) cudaSetDevice(prev);
-    throw;
-  }
-  if (prev >= 0) cudaSetDevice(prev);
+  if (device < 0) check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  const TopkPlan p = deepfuse::topk_plan(d, B, N, k, sorted, sms);
   return py::make_tuple(p.ctas_per_row, p.threads, p.smem_bytes, p.kernel);
 }
 

@@ -50,12 +50,12 @@ struct TopkPlan {
   float margin;
 };
 
-// The plan for a shape on the current device. aligned: rows start on 16 bytes (x and ld),
-// as for a contiguous tensor (the short-row kernel needs it).
-TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, bool aligned = true);
+// The plan for a shape on a device with `sms` multiprocessors. aligned: rows start on 16
+// bytes (x and ld), as for a contiguous tensor (the short-row kernel needs it).
+TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, int sms, bool aligned = true);
 
-// Runs `plan` (from topk_plan for these arguments; the margin may be changed) on `stream`:
-// one kernel, no allocation, no synchronisation.
+// Runs `plan` (from topk_plan for these arguments and the current device; the margin may be
+// changed) on `stream`: one kernel, no allocation, no synchronisation.
 void topk(const TopkArgs& a, TopkDtype dtype, int64_t B, const TopkPlan& plan, cudaStream_t stream);
 
 }  // namespace deepfuse

@@ -1,5 +1,5 @@
-// Shared by the top-k kernels (topk.cu, topk_rows.cu): order-preserving keys per dtype,
-// streaming loads, element access within a 16-byte vector, output slots, a bitonic sort.
+// Shared by the top-k kernels (topk_kernel.cuh, topk_rows_kernel.cuh): order-preserving keys
+// per dtype, streaming loads, element access within a 16-byte vector, output slots, a bitonic sort.
 // Keys are the op's order exactly: -0.0 gets +0.0's key (equal values, equal keys), so ties
 // (broken by the lower index: deepfuse/ops/topk.py) are ties of keys. A key of +0.0 or NaN
 // does not give back its raw bits (Fmt::raw): those are read again.

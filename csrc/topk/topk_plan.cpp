@@ -2,7 +2,6 @@
 // buffer and the threshold margin for a shape (measurements: docs/notes/topk-perf.md).
 #include <algorithm>
 
-#include "common/cuda_utils.h"
 #include "topk/topk.h"
 #include "topk/topk_config.h"
 
@@ -23,9 +22,9 @@ bool rows_fit(TopkDtype dtype, int64_t B, int64_t N) {
 // #SMs and rows exceed 512 vectors (fewer elements per thread: shorter chains on an SM that
 // has one row); 512 threads when SMs take several rows (several CTAs overlap) and for
 // shorter rows.
-int rows_cfg(int64_t B, int64_t nvec) {
+int rows_cfg(int64_t B, int64_t nvec, int64_t sms) {
   if (nvec <= 512) return 0;
-  if (B <= num_sms()) return nvec <= 1024 ? 3 : 4;
+  if (B <= sms) return nvec <= 1024 ? 3 : 4;
   return nvec <= 1024 ? 1 : 2;
 }
 
@@ -39,9 +38,8 @@ int rows_smem(int k, bool sorted) {
 // practically never overflows it. 256 threads (B > #SMs): as large as the CTAs one wave
 // needs per SM (ceil(B / #SMs), at most 4) allow, at least 2K + 2048 (the robust path
 // appends one vector per thread after a compaction to K; that minimum may cost residency).
-int buffer_entries(int64_t B, int k, int nt, bool sorted) {
+int buffer_entries(int64_t B, int k, int nt, bool sorted, int64_t sms) {
   if (nt == kBig) return kBuffer;
-  const int64_t sms = num_sms();
   const int64_t per_sm = std::min<int64_t>(4, std::max<int64_t>(1, (B + sms - 1) / sms));
   const int64_t budget =
       228 * 1024 / per_sm - 1024 - static_cast<int64_t>(sizeof(Shared)) - (sorted ? kTopkMaxK * 8 : 0);
@@ -56,20 +54,19 @@ float margin(int64_t B) { return B <= 16 ? 3.f : (B <= 128 ? 3.5f : (B <= 1024 ?
 
 }  // namespace
 
-TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, bool aligned) {
+TopkPlan topk_plan(TopkDtype dtype, int64_t B, int64_t N, int k, bool sorted, int sms, bool aligned) {
   if (aligned && rows_fit(dtype, B, N)) {
-    const RowsCfg c = kRowsCfg[rows_cfg(B, N / (dtype == TopkDtype::kF32 ? 4 : 8))];
+    const RowsCfg c = kRowsCfg[rows_cfg(B, N / (dtype == TopkDtype::kF32 ? 4 : 8), sms)];
     return TopkPlan{1, c.nt, rows_smem(k, sorted), 1, c.v, 0, 0.f};
   }
   // G = 1: min(B, #SMs) persistent 512-thread CTAs streaming through a ring (bulk copies);
   // G > 1 (short parts): a cluster per row, register double buffering (measured faster
   // there); B > #SMs: a 256-thread CTA per row (up to 4 per SM), register double buffering.
-  const int64_t sms = num_sms();
   int g = 1;  // a cluster per row while B * G fits one CTA per SM and parts stay long
   while (g < kMaxCluster && B * 2 * g <= sms && N / (2 * g) >= kMinPart) g *= 2;
   const int nt = B <= sms ? kBig : 256;
   const int vecs = nt == kBig ? (g > 1 ? kU512 : kU) : kU256;
-  const int buffer = buffer_entries(B, k, nt, sorted);
+  const int buffer = buffer_entries(B, k, nt, sorted, sms);
   const int64_t mid = nt == kBig && g == 1 ? kRingBytes : (sorted ? kTopkMaxK * 8 : 0);
   const int64_t smem = static_cast<int64_t>(sizeof(Shared)) + mid + 8 * static_cast<int64_t>(buffer);
   return TopkPlan{g, nt, static_cast<int>(smem), 0, vecs, buffer, margin(B)};

@@ -480,17 +480,17 @@ def test_launcher_plan_rejects_bad_dtype():
 
 
 @pytest.mark.gpu
-def test_gpu_launcher_rejects_mixed_devices():
-    a = _launcher_args(device="cuda")
-    a["indices"] = a["indices"].cpu()
-    with pytest.raises(ValueError, match="argument 'indices' must be a CUDA tensor"):
+@pytest.mark.parametrize("on_cpu", ["indices", "values", "lengths", None])
+def test_gpu_launcher_rejects_mixed_devices(on_cpu):
+    """One argument left on the CPU is named; all on one device: the launch runs."""
+    a = _launcher_args(device="cuda", lengths=torch.full((4,), 60, dtype=torch.int32, device="cuda"))
+    if on_cpu is None:
         _ext._C.topk(**a)
-    a = _launcher_args(device="cuda", lengths=torch.full((4,), 64, dtype=torch.int32))
-    with pytest.raises(ValueError, match="argument 'lengths' must be a CUDA tensor"):
+        check(a["x"], 8, a["lengths"], False, a["values"], a["indices"], "launcher")
+        return
+    a[on_cpu] = a[on_cpu].cpu()
+    with pytest.raises(ValueError, match=f"topk: argument '{on_cpu}' must be a CUDA tensor"):
         _ext._C.topk(**a)
-    a = _launcher_args(device="cuda")
-    _ext._C.topk(**a)  # the same arguments on one device launch
-    check(a["x"], 8, None, False, a["values"], a["indices"], "launcher")
 
 
 # ----------------------------------------------------------------------------- GPU
