@@ -115,23 +115,25 @@ def test_step_arrays_match_model_runner():
     checked = []
 
     class Check(ModelRunner):
-        def prepare(self, chunks):
-            ctx = super().prepare(chunks)
-            ids, starts, counts, slots, nlog = D.step_arrays(chunks)
+        def prepare(self, batch, prev=None):
+            ctx = super().prepare(batch, prev)
+            ids, starts, counts, slots, nlog = D.step_arrays(batch.chunks)
+            assert not batch.patch  # drafts read back: rank 0 sends every id
             assert np.array_equal(ctx.input_ids.cpu().numpy(), ids)
+            assert np.array_equal(batch.ids, ids) and np.array_equal(batch.num_logits, nlog)
             assert np.array_equal(ctx.starts, starts) and np.array_equal(ctx.counts, counts)
             assert np.array_equal(ctx.req_slots.cpu().numpy(), slots)
             assert np.array_equal(ctx.num_logits, nlog)
-            checked.append(int(nlog.sum() > len(chunks)))  # 1: some chunk verified drafts
+            checked.append(int(nlog.sum() > len(batch.chunks)))  # 1: some chunk verified drafts
             return ctx
 
     model = models.tiny.load()
     for k in (0, 2):
         llm = LLM(model, num_speculative_tokens=k, **KW)
         eng = llm.engine
-        eng.runner = Check(model, eng.cache)
+        eng.runner = Check(model, eng.cache, spec=eng.spec)
         if eng.spec is not None:
-            eng.spec.runner = eng.runner
+            eng.spec.force_drafts = lambda req, ds: ds  # host drafts (rank 0 sends ids, not device rows)
         llm.generate(prompts_for([5, 40, 130], model.cfg.vocab_size), params_for(3))
     assert len(checked) > 10 and any(checked)
 
@@ -142,8 +144,7 @@ def test_block_table_updates_replay():
     a = LLM(model, **KW).engine
     b = LLM(model, **KW).engine
     log = []
-    flush = a.cache.flush
-    a.cache.flush = lambda: (log.extend(a.cache._pending), flush())
+    a.cache.journal = log
     for i, p in enumerate(prompts_for([300, 140, 9], model.cfg.vocab_size)):
         a.add_request(f"r{i}", p, SamplingParams(max_tokens=3))
     while a.has_unfinished():

@@ -186,8 +186,9 @@ def test_forward_failure_of_one_request(tiny, monkeypatch, mode):
 
 
 def test_drafting_failure_of_one_request(tiny, monkeypatch):
-    """Under speculation the MTP layer raises for one request's rows: that request ends with
-    the error (keeping the tokens it was given), the others go on with their drafts."""
+    """Under speculation the MTP layer raises for one request's rows: the step is isolated
+    like any failing step (drafting is part of it): that request ends with the error, the
+    others go on with their drafts."""
     V = tiny.cfg.vocab_size
     prompts = [[t if t != POISON else 1 for t in p] for p in prompts_for([30, 60, 12], V, seed=17)]
     prompts[1][40] = POISON

@@ -141,6 +141,7 @@ class CacheManager:
                 self.states[(r, "index")] = self._state(n, rows, coff * Di)
         self._slots = list(range(S - 1, -1, -1))
         self._pending: list[tuple[int, int, int, int]] = []  # (ratio, slot, column, page)
+        self.journal: Optional[list] = None  # a list: flush() also appends the entries it writes (tensor parallel)
         self.used_tokens = 0
         self.peak_used_tokens = 0
         self.evict = None  # callback(pages_needed) -> bool: free index-held pages (the prefix cache)
@@ -259,6 +260,8 @@ class CacheManager:
         """Write the block-table entries of pages allocated since the last flush (one copy per ratio)."""
         if not self._pending:
             return
+        if self.journal is not None:
+            self.journal.extend(self._pending)
         a = np.asarray(self._pending, dtype=np.int64)
         self._pending.clear()
         for r, bt in self.block_tables.items():

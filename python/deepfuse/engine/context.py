@@ -228,3 +228,42 @@ def build_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     dev = torch.device(device)
     hc = host_context(input_ids, starts, counts, slots, num_logits, geom, host_block_tables)
     return device_context(hc, upload(hc.arrays, dev), geom, block_tables, dev)
+
+
+def decode_context(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, geom: CacheGeometry,
+                   block_tables: dict[int, torch.Tensor], entries: tuple[int, ...]) -> StepContext:
+    """The context of a step of one token per request whose positions live on the device
+    (the chained MTP draft steps: each request's position depends on how many drafts the
+    step before accepted). input_ids / positions / slots [B] int64 device tensors (slot -1:
+    the row stores and reads nothing); entries: each schedule's static entry-table width.
+    Every request owns one potential compressed block (it completes when (p + 1) % r == 0);
+    the others are pad blocks (slot -1, no valid source). Static shapes, no host sync: it
+    runs inside a captured graph."""
+    B = input_ids.shape[0]
+    dev = input_ids.device
+    live = slots >= 0
+    rows = _arange(B, dev)
+    Wr, Wp = geom.ring_rows, geom.ring_page_rows
+    ring = torch.where(live, slots * Wp + positions.remainder(Wr), -1)
+    d = [input_ids, positions, rows, slots, rows, positions, slots, ring]
+    plan_host = []
+    ps = geom.page_size
+    for (r, overlap), cmax in zip(geom.schedules, entries):
+        Rs = (2 * r if overlap else r) + geom.state_extra
+        L = 2 * r if overlap else r
+        n_vis = (positions + 1) // r
+        state_slots = torch.where(live, slots * Rs + positions.remainder(Rs), -1)
+        n_ent = torch.where(live, n_vis, 0)
+        done = live & ((positions + 1).remainder(r) == 0)
+        bidx = positions // r
+        bt = block_tables[r]
+        page = bt[slots.clamp(min=0), (bidx // ps).clamp(0, bt.shape[1] - 1)]
+        bslot = torch.where(done, page * ps + bidx.remainder(ps), -1)
+        pos0 = torch.where(done, bidx * r - (r if overlap else 0), -L)
+        bpos = torch.where(done, bidx * r, 0)
+        k = len(d)
+        d += [n_vis, state_slots, n_ent, bpos, bslot, pos0, positions, rows, slots.clamp(min=0)]
+        plan_host.append((r, overlap, Rs, cmax, B, k))
+    ones = np.ones(B, np.int64)
+    hc = HostContext([], B, B, plan_host, np.zeros(B, np.int64), ones, np.arange(B, dtype=np.int64), ones)
+    return device_context(hc, d, geom, block_tables, dev)

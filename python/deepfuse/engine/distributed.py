@@ -12,10 +12,12 @@ and runs the same forward_step, whose collectives (models/parallel.py: all-reduc
 attention and MoE, the vocab-parallel embedding and head) run on the default group:
 NCCL on GPUs (rank r on cuda:r), gloo on the CPU. Rank 0 samples from the gathered logits.
 
-Speculative decoding: drafting and acceptance stay on rank 0; every MTP step is broadcast
-like a step (its context's host arrays) plus its input streams (on the model group), and
-every rank runs it. Each rank reads only its part of the checkpoint (models.load(...,
-parallel=...)).
+The broadcast lives in the runner (ModelRunner.peers: Leader here, Follower on the other
+ranks): rank 0's prepare sends the arrays, every other rank runs ModelRunner.follow_step
+on them. Speculative decoding: sampling, acceptance and drafting decisions stay on rank 0;
+the MTP layer's inputs that only rank 0 knows (the emitted tokens, each chained draft) are
+broadcast on the model group, and every rank runs the same MTP forwards. Each rank reads
+only its part of the checkpoint (models.load(..., parallel=...)).
 """
 from __future__ import annotations
 
@@ -38,15 +40,12 @@ import torch
 import torch.distributed as dist
 
 from .cache import CacheManager, default_total_tokens
-from .context import build_context
 from .engine import Engine, EngineConfig
-from .model_runner import ModelRunner, host_arrays
-from .speculative import SpecDecoder
+from .model_runner import host_arrays
 
 # the lent multi-GPU machines require NVLink multicast off; set wherever ranks start
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-STOP, STEP, MTP = 0, 1, 2
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STOP, STEP = 0, 1
 _MAX_ARRAYS = 8
 
 
@@ -126,109 +125,55 @@ def apply_table_updates(cache: CacheManager, updates: np.ndarray) -> None:
     cache.flush()
 
 
-class DistModelRunner(ModelRunner):
-    """Rank 0's runner: broadcasts each step's host arrays before building its context."""
+class Leader:
+    """Rank 0's side of the step broadcast (ModelRunner's `peers`): each step's host arrays
+    with the block-table entries written since the last step (the cache's journal) over the
+    channel, and the device tensors only rank 0 computes (the MTP layer's inputs) on the
+    model group."""
 
-    def __init__(self, model, cache: CacheManager, channel: StepChannel):
-        super().__init__(model, cache)
-        self.channel = channel
-        self.table_updates: list[tuple[int, int, int, int]] = []
-        flush = cache.flush
+    def __init__(self, channel: StepChannel, group):
+        self.channel, self.group, self.cache = channel, group, None
 
-        def logged_flush():  # the block-table entries every rank must write too
-            self.table_updates.extend(cache._pending)
-            flush()
+    def attach(self, cache: CacheManager) -> None:
+        """The cache whose block-table entries the other ranks must write too."""
+        self.cache = cache
+        cache.journal = []
 
-        cache.flush = logged_flush
+    def send_step(self, b) -> None:
+        upd = np.asarray(self.cache.journal, dtype=np.int64).reshape(-1)
+        self.cache.journal.clear()
+        self.channel.send(STEP, [b.ids, b.starts, b.counts, b.slots, b.num_logits, b.draft_slots, upd])
 
-    def take_updates(self) -> np.ndarray:
-        upd = np.asarray(self.table_updates, dtype=np.int64).reshape(-1)
-        self.table_updates.clear()
-        return upd
-
-    def prepare(self, chunks):
-        t0 = time.perf_counter()
-        ids, starts, counts, slots, nlog = step_arrays(chunks)
-        self.channel.send(STEP, [ids, starts, counts, slots, nlog, self.take_updates()])
-        c = self.cache
-        ctx = build_context(ids, starts, counts, slots, nlog, c.geometry, c.block_tables, self.device,
-                            c.host_block_tables)
-        self.last_prepare_s = time.perf_counter() - t0
-        return ctx
+    def share(self, t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, 0, group=self.group)
+        return t
 
 
-class _MTPBroadcast:
-    """Rank 0's model as its SpecDecoder sees it: every MTP step is first sent to the
-    followers (its context's host arrays over the channel, then its input streams [N, hc, d]
-    broadcast on the model group), then run."""
+class Follower:
+    """A rank > 0's `peers`: receives what Leader.share sends."""
 
-    def __init__(self, model, runner: DistModelRunner, channel: StepChannel):
-        self._model, self._runner, self._channel = model, runner, channel
-        self.host: Optional[tuple] = None  # the arrays of the context SpecDecoder._ctx built last
+    def __init__(self, group):
+        self.group = group
 
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def mtp_forward_step(self, ctx, cache, streams, next_ids, layer: int = 0):
-        N, hc, d = streams.shape
-        meta = [layer, _DTYPES.index(streams.dtype), hc, d]
-        self._channel.send(MTP, [*self.host, self._runner.take_updates(), meta])
-        streams = streams.contiguous()
-        dist.broadcast(streams, 0, group=self._model.parallel.group)
-        return self._model.mtp_forward_step(ctx, cache, streams, next_ids, layer)
-
-
-class DistSpecDecoder(SpecDecoder):
-    """SpecDecoder whose MTP steps run on every rank (drafting and acceptance stay on rank 0)."""
-
-    def __init__(self, model, cache, runner: DistModelRunner, k: int, channel: StepChannel, **kw):
-        super().__init__(model, cache, runner, k, **kw)
-        self.model = _MTPBroadcast(model, runner, channel)
-
-    def _ctx(self, ids, starts, counts, slots, nlog):
-        self.model.host = tuple(np.asarray(x, dtype=np.int64) for x in (ids, starts, counts, slots, nlog))
-        return super()._ctx(ids, starts, counts, slots, nlog)
-
-
-class DistEngine(Engine):
-    """Rank 0's engine: the Engine with a broadcasting runner (and speculative decoder)."""
-
-    def __init__(self, model, config: EngineConfig, channel: StepChannel):
-        # not yet across ranks: the overlapping loop (pending tokens are patched on rank 0's
-        # device only) and prefix caching (restores copy rank 0's cache only)
-        if config.overlap or config.enable_prefix_caching:
-            log.warning("deepfuse: tensor parallel runs without overlap and prefix caching for now")
-        config = dataclasses.replace(config, overlap=False, enable_prefix_caching=False)
-        super().__init__(model, config)
-        self.channel = channel
-        self.runner = DistModelRunner(model, self.cache, channel)
-        if self.spec is not None:
-            self.spec = DistSpecDecoder(model, self.cache, self.runner, config.num_speculative_tokens, channel,
-                                        simulate_acc_len=config.spec_simulate_acc_len)
+    def share(self, t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, 0, group=self.group)
+        return t
 
 
 @torch.no_grad()
 def follow(engine: Engine, channel: StepChannel) -> int:
     """A rank > 0: run rank 0's steps until it says stop -> the number of steps run."""
-    cache, model = engine.cache, engine.model
+    runner = engine.runner
+    runner.peers = Follower(engine.model.parallel.group)
     n = 0
     while True:
         cmd, arrays = channel.recv()
         if cmd == STOP:
             return n
-        if cmd not in (STEP, MTP):
+        if cmd != STEP:
             raise RuntimeError(f"deepfuse: unknown step command {cmd}")
-        ids, starts, counts, slots, nlog, upd = arrays[:6]
-        apply_table_updates(cache, upd)
-        ctx = build_context(ids, starts, counts, slots, nlog, cache.geometry, cache.block_tables, cache.device,
-                            cache.host_block_tables)
-        if cmd == STEP:
-            model.forward_step(ctx, cache)
-        else:  # an MTP step: its input streams come from rank 0
-            layer, dt, hc, d = (int(v) for v in arrays[6])
-            streams = torch.empty(len(ids), hc, d, dtype=_DTYPES[dt], device=cache.device)
-            dist.broadcast(streams, 0, group=model.parallel.group)
-            model.mtp_forward_step(ctx, cache, streams, ctx.input_ids, layer)
+        apply_table_updates(engine.cache, arrays[6])
+        runner.follow_step(arrays)
         n += 1
 
 
@@ -379,7 +324,10 @@ def launch(model, device, dtype, config: EngineConfig, tensor_parallel_size: int
         channel = init_rank(0, N, port, dev, timeout_s)
         group = RankGroup(procs, channel)
         rank_model = load_rank(path, dev, dtype, ParallelConfig(N, 0, expert_parallel))
-        engine = DistEngine(rank_model, agree_config(rank_model, config, channel.group), channel)
+        cfg = agree_config(rank_model, config, channel.group)
+        if cfg.overlap or cfg.enable_prefix_caching:
+            log.warning("deepfuse: tensor parallel runs without overlap and prefix caching for now")
+        engine = Engine(rank_model, cfg, peers=Leader(channel, rank_model.parallel.group))
     except BaseException:
         for p in procs:
             if p.poll() is None:
@@ -393,5 +341,4 @@ def launch(model, device, dtype, config: EngineConfig, tensor_parallel_size: int
     return rank_model, engine, group
 
 
-__all__ = ["launch", "DistEngine", "DistModelRunner", "StepChannel", "follow", "step_arrays", "backend_for",
-           "ENV", "set_env"]
+__all__ = ["launch", "Leader", "StepChannel", "follow", "step_arrays", "backend_for", "ENV", "set_env"]

@@ -1,13 +1,14 @@
 """The engine: requests in, one scheduled step at a time, outputs out."""
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 import random
 import time
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from deepfuse.ops import reference_calls
@@ -15,11 +16,11 @@ from deepfuse.ops import reference_calls
 from .cache import KV_DTYPES, CacheManager
 from .graph_runner import GraphRunner
 from .memory import finish_plan, plan_memory, resolve_kv_dtype
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepBatch, StepResult, logits_rows
 from .request import Request, RequestOutput, SamplingParams, Status
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
-from .speculative import Emission, SpecDecoder
+from .speculative import SpecDecoder
 
 
 @dataclass(frozen=True)
@@ -74,19 +75,19 @@ def _msg(e: BaseException) -> str:
 
 @dataclass
 class _Inflight:
-    """A launched step whose sampled tokens have not been read back yet."""
+    """A launched step whose tokens have not been committed yet."""
 
     step: int
-    chunks: list
-    ctx: object
-    res: object                    # SamplerOutput on the device
-    host: list                     # pinned host copies of res' tensors (tokens, logprobs, top ids, top values)
-    event: Optional[object]        # CUDA event after the copies
-    rows: list                     # (request, index of its placeholder token) per sampled row
+    res: StepResult
+    rows: Optional[dict]           # overlap without speculation: chunk -> index of its placeholder token
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, config: EngineConfig = EngineConfig(), *, peers=None):
+        """peers: rank 0's side of a tensor-parallel group (engine/distributed.py: Leader);
+        such an engine runs without graphs, overlap and prefix caching."""
+        if peers is not None:
+            config = dataclasses.replace(config, overlap=False, enable_prefix_caching=False, cuda_graphs=False)
         config.validate()
         self.model, self.config = model, config
         cfg = model.cfg
@@ -95,13 +96,12 @@ class Engine:
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
         self.kv_dtype = resolve_kv_dtype(config.kv_dtype, cfg, model.device, model.dtype)
         use_graphs = config.cuda_graphs if config.cuda_graphs is not None else model.device.type == "cuda"
-        use_graphs = use_graphs and type(self) is Engine
         # the memory plan (engine/memory.py): measured on CUDA, then the caches are sized from it
         par = getattr(model, "parallel", None)
         max_len = config.max_model_len or cfg.max_position_embeddings
         self.memory_plan = plan_memory(model, config, self.kv_dtype, max_len, self._new_cache,
                                        self._new_graphs if use_graphs else None,
-                                       measure=type(self) is Engine and (par is None or par.world_size == 1))
+                                       measure=par is None or par.world_size == 1)
         self.max_model_len = self.memory_plan.max_model_len
         self.cache = self._new_cache(self.memory_plan.max_total_tokens, self.max_model_len)
         self.prefix = None
@@ -110,14 +110,13 @@ class Engine:
                                       checkpoint=config.prefix_checkpoint)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens, self.prefix)
         graphs = self._new_graphs(self.cache) if use_graphs else None
-        self.runner = ModelRunner(model, self.cache, graphs)
+        self.spec = None
+        if config.num_speculative_tokens:
+            self.spec = SpecDecoder(model, config.num_speculative_tokens, simulate_acc_len=config.spec_simulate_acc_len)
+        self.runner = ModelRunner(model, self.cache, graphs, spec=self.spec, peers=peers)
         # captured at start-up on CUDA (seconds, reported here); on the CPU padded steps run eagerly
         self.graph_capture_s = graphs.capture_all() if graphs is not None and graphs.capture else 0.0
         finish_plan(self.memory_plan, self.cache, graphs, self.graph_capture_s)
-        self.spec = None
-        if config.num_speculative_tokens:
-            self.spec = SpecDecoder(model, self.cache, self.runner, config.num_speculative_tokens,
-                                    simulate_acc_len=config.spec_simulate_acc_len)
         self._reqs: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._arrivals = 0
@@ -141,7 +140,7 @@ class Engine:
     def _new_graphs(self, cache: CacheManager) -> GraphRunner:
         k = self.config.num_speculative_tokens
         return GraphRunner(self.model, cache, max_reqs=self.config.max_num_seqs, tokens=(1, k + 1) if k else (1,),
-                           return_streams=bool(k))
+                           mtp=bool(k))
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_token_ids, params: Optional[SamplingParams]) -> tuple[list[int], SamplingParams]:
@@ -216,31 +215,6 @@ class Engine:
             return "length"
         return None
 
-    def _emissions(self, chunks) -> tuple[list, Optional[torch.Tensor], object]:
-        """Forward + sampling (or verification) -> (per chunk Emission or None, final streams
-        when speculating, the step context)."""
-        r = self.runner
-        ctx = r.prepare(chunks)
-        if self.spec is None:
-            logits = r.forward(chunks, ctx)
-            out: list = [Emission([], c.count) for c in chunks]
-            if logits.shape[0]:
-                res = r.sampler(logits, r.sampling_batch(chunks, ctx))
-                toks = res.tokens.tolist()
-                lps = res.logprobs.tolist() if res.logprobs is not None else None
-                tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
-                for row, i in enumerate(ctx.logits_req):
-                    e = out[i]
-                    e.tokens = [toks[row]]
-                    n = chunks[i].req.params.logprobs
-                    if n is not None:
-                        e.logprobs = [lps[row]]
-                        if n > 0:
-                            e.top_logprobs = [dict(zip(tops[0][row][:n], tops[1][row][:n]))]
-            return out, None, ctx
-        logits, streams = r.forward(chunks, ctx, return_streams=True)
-        return self.spec.verify(chunks, ctx, logits), streams, ctx
-
     def _finish(self, req: Request, reason: str, o: RequestOutput, now: float) -> None:
         if self.prefix is not None and req.cache is not None:
             n = min(req.num_computed, req.num_tokens)  # overlap: the step after may have computed one more
@@ -278,16 +252,18 @@ class Engine:
         return k
 
     def step(self) -> list[RequestOutput]:
-        """Run one step -> the outputs of the requests that advanced or ended. With overlap the
-        step's own tokens are read back (and reported) by the next call, after that call has
-        launched the following step."""
+        """Run one step -> the outputs of the requests that advanced or ended. With overlap a
+        step's tokens are read back (and reported) by the next call: without speculation
+        after that call has launched the following step (a request's last token is patched
+        in on the device), with speculation before it schedules (the read waits for the
+        accepted tokens only; the step's drafting still runs on the device)."""
         outs = [RequestOutput(r.request_id, r.prompt_token_ids, [], True, "abort") for r in self._aborted]
         self._aborted.clear()
-        if self.overlap and self.spec is None and not any(r.constraint is not None for r in self._reqs.values()):
-            return outs + self._step_overlap()
+        if self.overlap:
+            return outs + (self._step_overlap() if self.spec is None else self._step_spec_overlap())
         if self._inflight is not None:  # leaving overlap: settle the step in flight first
             f, self._inflight = self._inflight, None
-            outs += self._settle_safe(f, None)[0]
+            outs += self._settle_safe(f)[0]
         return outs + self._step_sync()
 
     def _event(self):
@@ -297,49 +273,104 @@ class Engine:
         e.record()
         return e
 
+    def _batch(self, chunks) -> StepBatch:
+        """The runner's batch; under speculation the chunks that sample and may draft get a
+        draft slot, with their cache grown for the chained draft rows (k - 1 past the chunk)."""
+        ds = None
+        if self.spec is not None:
+            k, c = self.spec.k, self.cache
+            ds = np.full(len(chunks), -1, np.int64)
+            for i, ch in enumerate(chunks):
+                req = ch.req
+                if req.constraint is not None or not logits_rows(ch)[1]:
+                    continue
+                need = ch.start + ch.count + k - 1
+                if need <= self.max_model_len and need - req.cache.tokens <= c.free_tokens:
+                    c.grow(req.cache, need)
+                    ds[i] = req.cache.slot
+            c.flush()
+        return self.runner.batch(chunks, ds)
+
+    def _run(self, chunks) -> tuple[StepResult, dict]:
+        res = self.runner.run(self._batch(chunks))
+        return res, res.wait()
+
     def _step_sync(self) -> list[RequestOutput]:
-        outs: list[RequestOutput] = []
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         t_sched = time.perf_counter() - t0
         if not chunks:
-            return outs
+            return []
         ev0 = self._event()
         try:
-            emissions, streams, ctx = self._emissions(chunks)
+            res, host = self._run(chunks)
         except Exception as e:
             self.num_steps += 1
             return self._isolate(chunks, e)
         if ev0 is not None:
             self.gpu_events.append((ev0, self._event()))
-        now = time.perf_counter()
-        by_req, ending = {}, []
-        for c, e in zip(chunks, emissions):
-            req = c.req
-            req.num_computed = c.start + e.computed
+        outs = self._commit(_Inflight(self.num_steps, res, None), host)
+        self.num_steps += 1
+        self.step_times.append(time.perf_counter() - t0)
+        self.prepare_times.append(t_sched + self.runner.last_prepare_s)
+        return outs
+
+    # ------------------------------------------------------------------ the commit
+    def _commit(self, f: _Inflight, host: dict) -> list[RequestOutput]:
+        """Append a step's tokens (f.rows: overlap without speculation, where each sampled
+        chunk's first token replaces its placeholder), resolve stop conditions and
+        constraints, hand out the next drafts, save prefix checkpoints, end requests."""
+        res, late = f.res, f.rows is not None
+        b = res.batch
+        toks, nemit = host["tokens"], host["num_emitted"]
+        acc, lps = host.get("accepted"), host.get("logprobs")
+        tops_i, tops_v = host.get("top_ids"), host.get("top_logprobs")
+        outs, ending, now = [], [], time.perf_counter()
+        by_req = {}
+        for i, c in enumerate(b.chunks):
+            req, n = c.req, nemit[i]
+            idx = None
+            if late:
+                if req.pending == (f.step, i):
+                    req.pending = None
+                idx = f.rows.get(i)
+                if req.finish_reason is not None or (idx is not None and idx >= len(req.output_token_ids)):
+                    continue  # ended (or aborted) before this step was read back
+            elif req.finish_reason is not None:
+                continue
+            else:
+                req.num_computed = c.start + (n if b.verified[i] else c.count)
             if req.error is not None:  # its constraint raised in this step
                 outs.append(self._fail(req, req.error))
                 continue
-            if not e.tokens:
-                if self._prefill_only_done(req):
+            if n == 0:
+                if not late and self._prefill_only_done(req):
                     ending.append((req, "length", None))
                 continue
+            if b.verified[i]:
+                self.spec.stats.add(int(b.verified[i]), acc[i], n)
             o = RequestOutput(req.request_id, req.prompt_token_ids, [])
             self._attach_prompt(req, o)
             by_req[id(req)] = o
             reason = None
-            for t, tok in enumerate(e.tokens):
-                req.append_token(tok)
+            for t in range(n):
+                tok = toks[i][t]
+                if idx is not None and t == 0:
+                    req.output_token_ids[idx] = tok
+                else:
+                    req.append_token(tok)
                 o.token_ids.append(tok)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                if e.logprobs is not None:
-                    req.logprobs.append(e.logprobs[t])
-                    o.logprobs = (o.logprobs or []) + [e.logprobs[t]]
-                if e.top_logprobs is not None:
-                    req.top_logprobs.append(e.top_logprobs[t])
-                    o.top_logprobs = (o.top_logprobs or []) + [e.top_logprobs[t]]
-                reason = self._finish_reason(req, tok)
+                m = req.params.logprobs
+                if m is not None:
+                    req.logprobs.append(lps[i][t])
+                    o.logprobs = (o.logprobs or []) + [lps[i][t]]
+                    if m > 0:
+                        d = dict(zip(tops_i[i][t][:m], tops_v[i][t][:m]))
+                        req.top_logprobs.append(d)
+                        o.top_logprobs = (o.top_logprobs or []) + [d]
+                reason = self._finish_reason(req, tok, idx + 1 if idx is not None else None)
                 if req.constraint is not None:
                     try:
                         ok = req.constraint.accept_token(tok)
@@ -351,23 +382,47 @@ class Engine:
                 if reason is not None:
                     break
             if reason is not None and reason != "error":
+                if idx is not None:  # drop the tokens of the step launched after this one
+                    del req.output_token_ids[idx + 1:]
+                    req.num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
                 req.finish_reason = reason
                 ending.append((req, reason, o))
             outs.append(o)
-        if self.spec is not None:  # first: prefix snapshots must hold the MTP layer's state of this step
-            outs += self._propose(chunks, emissions, streams, ctx, by_req)
-        self._checkpoints(chunks)
+        if self.spec is not None:
+            self._hand_drafts(res, host)
+        if not late:  # (overlap without speculation saved them at launch)
+            self._checkpoints(b.chunks)
         for req, reason, o in ending:
-            if req.error is not None:  # drafting failed it
-                continue
             if o is None:
                 outs.append(self._finish_prefill_only(req, now))
             else:
                 self._finish(req, reason, o, now)
-        self.num_steps += 1
-        self.step_times.append(time.perf_counter() - t0)
-        self.prepare_times.append(t_sched + self.runner.last_prepare_s)
         return outs
+
+    def _hand_drafts(self, res: StepResult, host: dict) -> None:
+        """Each request that drafted in this step and decodes on verifies up to k of its
+        drafts next step (as many as max_tokens and the cache allow): they stay on the
+        device (req.draft_src) unless the force_drafts hook rewrites them. A request's MTP
+        rows are valid up to the token before its last one (the prefix snapshot's bound)."""
+        b, spec = res.batch, self.spec
+        for i, c in enumerate(b.chunks):
+            req = c.req
+            req.drafts, req.draft_logq, req.draft_src = [], None, None
+            if req.cache is None:
+                continue
+            req.num_computed = min(req.num_computed, req.num_tokens - 1)
+            if b.draft_slots[i] < 0 or req.finish_reason is not None or res.drafts is None:
+                continue
+            kr = self._reserve_drafts(req, min(spec.k, req.params.max_tokens - len(req.output_token_ids) - 1))
+            if not kr:
+                continue
+            if "drafts" in host:  # read back: the force_drafts hook, tensor parallel (rank 0 sends every id)
+                ds = host["drafts"][i][:kr]
+                req.drafts = list(spec.force_drafts(req, ds)) if spec.force_drafts is not None else ds
+            else:
+                req.drafts, req.draft_src = [PENDING] * kr, (res.drafts, i)
+            if res.draft_logq is not None and not req.params.greedy:
+                req.draft_logq = res.draft_logq[i, :len(req.drafts)]
 
     # ------------------------------------------------------------------ overlap
     def _step_overlap(self) -> list[RequestOutput]:
@@ -377,16 +432,19 @@ class Engine:
         launched, outs, f = None, [], self._inflight
         if chunks:
             try:
-                launched, outs = self._launch(chunks, f)
+                launched, outs, f = self._launch(chunks, f)
             except Exception as e:
                 self._inflight = None
-                outs = self._settle_safe(f, None)[0] if f is not None else []
+                outs = self._settle_safe(f)[0] if f is not None else []
                 self.num_steps += 1
                 return outs + self._isolate(chunks, e)
         self._inflight = None
         if f is not None:
-            settled, launched = self._settle_safe(f, launched)
+            settled, ok = self._settle_safe(f)
             outs += settled
+            if not ok and launched is not None:
+                self._rollback([c.req for c in launched.res.batch.chunks if c.req.finish_reason is None])
+                launched = None
         self._inflight = launched
         if chunks:
             self.num_steps += 1
@@ -394,97 +452,83 @@ class Engine:
             self.prepare_times.append(t_sched + self.runner.last_prepare_s)
         return outs
 
-    def _launch(self, chunks, f: Optional[_Inflight]) -> tuple[Optional[_Inflight], list[RequestOutput]]:
-        """Launch a step (overlap) -> (the step in flight or None, outputs of requests that
-        ended with their prefill: max_tokens 0)."""
+    def _launch(self, chunks, f: Optional[_Inflight]) -> tuple[Optional[_Inflight], list[RequestOutput],
+                                                               Optional[_Inflight]]:
+        """Launch a step (overlap) -> (the step in flight or None, outputs, the earlier step
+        still to settle or None). A step with constrained requests settles f between its
+        forward and its sampling (the masks need f's tokens)."""
         r = self.runner
-        launched = None
         ev0 = self._event()
-        prev = f.res.tokens if f is not None else None
-        ctx = r.prepare(chunks, pending_tokens=prev)
-        logits = r.forward(chunks, ctx)
+        L = r.launch(self._batch(chunks), f.res if f is not None else None)
         for c in chunks:
             c.req.num_computed = c.start + c.count
         self._checkpoints(chunks)
-        if logits.shape[0]:
-            res = r.sampler(logits, r.sampling_batch(chunks, ctx))
-            tensors = [t for t in (res.tokens, res.logprobs, res.top_ids, res.top_logprobs) if t is not None]
-            event = None
-            if logits.is_cuda:
-                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                        for t in tensors]
-                event = torch.cuda.Event()
-                event.record()
-            else:
-                host = tensors
-            if ev0 is not None:
-                self.gpu_events.append((ev0, self._event()))
-            rows = []
-            for row, i in enumerate(ctx.logits_req):
-                req = chunks[i].req
+        outs = []
+        if f is not None and any(c.req.constraint is not None for c in chunks):
+            self._inflight = None
+            outs, ok = self._settle_safe(f)
+            f = None
+            if not ok:
+                self._rollback([c.req for c in chunks if c.req.finish_reason is None])
+                return None, outs, None
+        res = r.finish(L)
+        if ev0 is not None:
+            self.gpu_events.append((ev0, self._event()))
+        rows = {}
+        for i, c in enumerate(chunks):
+            req = c.req
+            if res.ctx.num_logits[i] and req.finish_reason is None:
                 req.append_token(PENDING)
-                req.pending = (self.num_steps, row)
-                rows.append((req, len(req.output_token_ids) - 1))
-                if (len(req.output_token_ids) >= req.params.max_tokens
-                        or req.num_tokens >= self.max_model_len):
+                req.pending = (self.num_steps, i)
+                rows[i] = len(req.output_token_ids) - 1
+                if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
                     req.final_pending = True  # it ends with this token: schedule it no more
-            launched = _Inflight(self.num_steps, chunks, ctx, res, host, event, rows)
         now = time.perf_counter()
-        return launched, [self._finish_prefill_only(c.req, now) for c in chunks if self._prefill_only_done(c.req)]
+        outs += [self._finish_prefill_only(c.req, now) for c in chunks if self._prefill_only_done(c.req)]
+        return _Inflight(self.num_steps, res, rows), outs, f
 
-    def _settle_safe(self, f: _Inflight, launched: Optional[_Inflight]) -> tuple[list[RequestOutput],
-                                                                                 Optional[_Inflight]]:
-        """_settle(f) -> (outputs, launched); if reading f back fails, f's requests fail and
-        the requests of the step launched after it go back to the queue (launched: None)."""
+    def _step_spec_overlap(self) -> list[RequestOutput]:
+        """Overlap under speculation: step N's accepted tokens are read back (its drafting
+        still runs on the device) and committed, then step N+1 is scheduled and launched
+        with N's drafts taken from the device."""
+        outs, f = [], self._inflight
+        if f is not None:
+            self._inflight = None
+            outs += self._settle_safe(f)[0]
+        t0 = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        t_sched = time.perf_counter() - t0
+        if not chunks:
+            return outs
+        ev0 = self._event()
         try:
-            return self._settle(f), launched
+            res = self.runner.run(self._batch(chunks))
+        except Exception as e:
+            self.num_steps += 1
+            return outs + self._isolate(chunks, e)
+        if ev0 is not None:
+            self.gpu_events.append((ev0, self._event()))
+        self._inflight = _Inflight(self.num_steps, res, None)
+        self.num_steps += 1
+        self.step_times.append(time.perf_counter() - t0)
+        self.prepare_times.append(t_sched + self.runner.last_prepare_s)
+        return outs
+
+    def _settle_safe(self, f: _Inflight) -> tuple[list[RequestOutput], bool]:
+        """_settle(f) -> (outputs, True); if reading f back fails, the requests with sampled
+        rows in f fail (False: the caller sends the requests of a step launched after f back
+        to the queue)."""
+        try:
+            return self._settle(f), True
         except Exception as e:
             log.exception("deepfuse: reading back step %d failed", f.step)
-            reqs = list({id(q): q for q, _ in f.rows if q.finish_reason is None}.values())
-            outs = [self._fail(q, _msg(e)) for q in reqs]
-            if launched is not None:
-                self._rollback([c.req for c in launched.chunks if c.req.finish_reason is None])
-            return outs, None
+            chunks, nl = f.res.batch.chunks, f.res.ctx.num_logits
+            reqs = list({id(c.req): c.req for c, n in zip(chunks, nl) if n and c.req.finish_reason is None}.values())
+            return [self._fail(q, _msg(e)) for q in reqs], False
 
     def _settle(self, f: _Inflight) -> list[RequestOutput]:
-        """Read back a launched step's tokens; stop conditions are resolved here, one step late."""
-        if f.event is not None:
-            f.event.synchronize()
-        host = [t.tolist() for t in f.host]
-        toks = host[0]
-        k = 1
-        lps = tops_i = tops_v = None
-        if f.res.logprobs is not None:
-            lps, k = host[k], k + 1
-        if f.res.top_ids is not None:
-            tops_i, tops_v = host[k], host[k + 1]
-        outs, now = [], time.perf_counter()
-        for row, (req, idx) in enumerate(f.rows):
-            if req.pending == (f.step, row):
-                req.pending = None
-            if req.finish_reason is not None or idx >= len(req.output_token_ids):
-                continue  # ended (or aborted) before this token was read back
-            tok = toks[row]
-            req.output_token_ids[idx] = tok
-            if req.first_token_time is None:
-                req.first_token_time = now
-            o = RequestOutput(req.request_id, req.prompt_token_ids, [tok])
-            self._attach_prompt(req, o)
-            n = req.params.logprobs
-            if n is not None:
-                req.logprobs.append(lps[row])
-                o.logprobs = [lps[row]]
-                if n > 0:
-                    d = dict(zip(tops_i[row][:n], tops_v[row][:n]))
-                    req.top_logprobs.append(d)
-                    o.top_logprobs = [d]
-            reason = self._finish_reason(req, tok, idx + 1)
-            if reason is not None:
-                del req.output_token_ids[idx + 1:]  # tokens of the step launched after this one
-                req.num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
-                self._finish(req, reason, o, now)
-            outs.append(o)
-        return outs
+        """Read back a launched step and commit it."""
+        return self._commit(f, f.res.wait())
 
     # ------------------------------------------------------------------ failures
     def _prefill_only_done(self, req: Request) -> bool:
@@ -554,46 +598,18 @@ class Engine:
 
     def _isolate(self, chunks, e: Exception) -> list[RequestOutput]:
         """A step raised: find its failing requests by re-running its chunks in halves (each
-        probe is a full step's forward + sampling; the caches it writes are dropped), end them
-        with the error, and send the others back to the queue. A failure that no probe
-        reproduces ends every request of the step."""
+        probe is a full step: forward, sampling, drafts; the caches it writes are dropped),
+        end them with the error, and send the others back to the queue. A failure that no
+        probe reproduces ends every request of the step."""
         log.warning("deepfuse: step failed (%s); isolating the failing requests", _msg(e))
         live = [c for c in chunks if c.req.status is Status.RUNNING and c.req.cache is not None]
-        stats = copy.deepcopy(self.spec.stats) if self.spec is not None else None
-        bad = self._bisect(live, self._emissions, e, known=len(live) == len(chunks)) if live else []
-        if stats is not None:
-            self.spec.stats = stats
+        bad = self._bisect(live, self._run, e, known=len(live) == len(chunks)) if live else []
         if not bad:
             bad = [(c, e) for c in live]
         failed = {id(c.req) for c, _ in bad}
         outs = [self._fail(c.req, _msg(err)) for c, err in bad]
         self._rollback([c.req for c in live if id(c.req) not in failed])
         return outs
-
-    def _propose(self, chunks, emissions, streams, ctx, by_req: dict) -> list[RequestOutput]:
-        """spec.propose; if it raises, the requests whose drafting fails alone are ended with
-        the error (this step's tokens stay theirs); the others keep the drafts of their probe."""
-        try:
-            self.spec.propose(chunks, emissions, streams, ctx, self._reserve_drafts)
-            return []
-        except Exception as e:
-            idx = [i for i, (c, em) in enumerate(zip(chunks, emissions))
-                   if c.req.cache is not None and em is not None and em.computed]
-
-            def run(sub):
-                keep = set(sub)
-                self.spec.propose(chunks, [em if i in keep else None for i, em in enumerate(emissions)], streams,
-                                  ctx, self._reserve_drafts)
-
-            bad = self._bisect(idx, run, e, known=False) if idx else []
-            outs = []
-            for i, err in bad:
-                req = chunks[i].req
-                o = by_req.get(id(req))
-                o2 = self._fail(req, f"drafting failed: {_msg(err)}", o)
-                if o is None:
-                    outs.append(o2)
-            return outs
 
     def stats(self) -> dict:
         c = self.cache

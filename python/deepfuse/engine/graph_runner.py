@@ -17,6 +17,14 @@ width] int64 per schedule, window indices [bucket * T, W]) and its logits [bucke
 vocab] fp32; buffer_bytes() counts them, pool_bytes is the measured total (the capture's
 growth of torch's reserved memory: kept tensors plus the pool's free blocks).
 
+Speculation (mtp=True): per (bucket, T) a second graph holds the MTP layer's
+teacher-forced pass on the same captured context and the target's output streams (static
+inputs: the next ids [bucket * T] and the row per request whose logits are drafted from
+[bucket]); per bucket a chain graph holds one chained draft step (a token per request at
+device positions: context.decode_context from static ids / positions / slots / streams;
+pad requests have slot -1). So a speculative step is the target replay, the sampling
+pass, the MTP replay and k - 1 chain replays, each with its draft sampling.
+
 On the CPU (no graphs) the same padded static steps run eagerly: tests of the padding.
 """
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .context import Padding, StepContext, device_context, host_context, upload
+from .context import Padding, StepContext, decode_context, device_context, host_context, upload
 
 _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
@@ -42,6 +50,20 @@ class _Graph:
     ctx: StepContext                  # the captured context (its tensors are views of buf and graph memory)
     graph: Optional["torch.cuda.CUDAGraph"]
     out: object                       # logits [R, V] or (logits, streams [N, hc, d]), graph memory
+    mtp: Optional[tuple] = None       # (graph or None, next ids [bucket * T], rows [bucket], (logits, streams) or None)
+    last: Optional[tuple] = None      # CPU: (padded context, outputs) of the last run (the MTP pass reads them)
+
+
+@dataclass
+class _Chain:
+    """One chained draft step of `bucket` requests (static buffers; graph memory outputs)."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    x: torch.Tensor
+    graph: Optional["torch.cuda.CUDAGraph"]
+    out: Optional[tuple]
 
 
 def _tensors(x):
@@ -62,11 +84,13 @@ def _tensors(x):
 
 class GraphRunner:
     def __init__(self, model, cache, *, max_reqs: int, tokens: tuple[int, ...] = (1,), return_streams: bool = False,
-                 buckets: Optional[tuple[int, ...]] = None):
+                 buckets: Optional[tuple[int, ...]] = None, mtp: bool = False):
         self.model, self.cache = model, cache
         self.device = model.device
         self.capture = self.device.type == "cuda"
-        self.return_streams = return_streams
+        self.mtp_graphs = mtp
+        self.return_streams = return_streams or mtp
+        self.chains: dict[int, _Chain] = {}
         b = [x for x in (buckets or _BUCKETS) if x <= max_reqs]
         if not b or b[-1] < max_reqs:
             b.append(max_reqs)
@@ -129,8 +153,29 @@ class GraphRunner:
             ctx = device_context(hc, d, geom, self.cache.block_tables, self.device)
             out = fwd(ctx)
         torch.cuda.synchronize(self.device)
+        gr = _Graph(pad, buf, hc, d, ctx, g, out)
+        if self.mtp_graphs:
+            nxt = torch.zeros(bucket * T, dtype=torch.int64, device=self.device)
+            rows = torch.zeros(bucket, dtype=torch.int64, device=self.device)
+            mtp = lambda: self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, out[1], nxt)  # noqa: E731
+            gr.mtp = (self._capture(mtp), nxt, rows, self._outs)
         self.capture_s += time.perf_counter() - t0
-        return _Graph(pad, buf, hc, d, ctx, g, out)
+        return gr
+
+    def _capture(self, fn) -> "torch.cuda.CUDAGraph":
+        """Capture fn() (warmed up on a side stream first) into a graph of the shared pool;
+        its outputs go to self._outs."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool), torch.no_grad():
+            self._outs = fn()
+        torch.cuda.synchronize(self.device)
+        return g
 
     def capture_all(self) -> float:
         """Capture every (bucket, T), largest first (smaller ones reuse its memory) -> seconds;
@@ -140,6 +185,10 @@ class GraphRunner:
             for b in reversed(self.buckets):
                 if (b, T) not in self.graphs:
                     self.graphs[(b, T)] = self._build((b, T))
+        if self.mtp_graphs:
+            for b in reversed(self.buckets):
+                if b not in self.chains:
+                    self.chains[b] = self._build_chain(b)
         if self.capture:
             self.pool_bytes += max(0, self._reserved() - r0)
         return self.capture_s
@@ -156,7 +205,7 @@ class GraphRunner:
         out = {}
         for key, g in self.graphs.items():
             seen, n = set(), 0
-            for t in _tensors((g.buf, g.ctx, g.out)):
+            for t in _tensors((g.buf, g.ctx, g.out, g.mtp)):
                 p = t.untyped_storage().data_ptr()
                 if p not in seen:
                     seen.add(p)
@@ -187,7 +236,71 @@ class GraphRunner:
             c = device_context(g.hc, g.d, self.cache.geometry, self.cache.block_tables, self.device)
             with torch.no_grad():
                 out = self.model.forward_step(c, self.cache, return_streams=self.return_streams)
+            g.last = (c, out)
         R, N = len(ctx.logits_req), ctx.num_tokens
         if self.return_streams:
             return out[0][:R], out[1][:N]
         return out[:R]
+
+    def mtp(self, ctx: StepContext, nxt: torch.Tensor, rows: torch.Tensor):
+        """The MTP layer's teacher-forced pass of the step just run (ctx: its context):
+        nxt [N] the next ids, rows [B] the flat row of each request's drafting row ->
+        (logits [B, V], streams [N, hc, d])."""
+        g = ctx.graph
+        N, B = ctx.num_tokens, ctx.num_reqs
+        if g.mtp is None:
+            g.mtp = (None, torch.zeros(g.pad.reqs * g.pad.tokens, dtype=torch.int64, device=self.device),
+                     torch.zeros(g.pad.reqs, dtype=torch.int64, device=self.device), None)
+        graph, g_nxt, g_rows, outs = g.mtp
+        g_nxt[:N].copy_(nxt)
+        g_rows[:B].copy_(rows)
+        if graph is not None:
+            graph.replay()
+        else:
+            c, out = g.last
+            with torch.no_grad():
+                outs = self.model.mtp_forward_step(replace(c, logits_indices=g_rows), self.cache, out[1], g_nxt)
+        return outs[0][:B], outs[1][:N]
+
+    # ------------------------------------------------------------------ chained draft steps
+    def chain_ok(self, B: int) -> bool:
+        return self.mtp_graphs and 0 < B <= self.buckets[-1]
+
+    def _build_chain(self, bucket: int) -> _Chain:
+        m, dev = self.model, self.device
+        c = _Chain(torch.zeros(bucket, dtype=torch.int64, device=dev), torch.zeros(bucket, dtype=torch.int64, device=dev),
+                   torch.full((bucket,), -1, dtype=torch.int64, device=dev),
+                   torch.zeros(bucket, m.cfg.hc_mult, m.cfg.hidden_size, dtype=m.dtype, device=dev), None, None)
+        if self.capture:
+            t0 = time.perf_counter()
+            c.graph = self._capture(lambda: self._chain_step(c))
+            c.out = self._outs
+            self.capture_s += time.perf_counter() - t0
+        return c
+
+    def _chain_step(self, c: _Chain):
+        cache = self.cache
+        entries = tuple(cache.block_tables[r].shape[1] * cache.page_size for r, _ in cache.geometry.schedules)
+        cctx = decode_context(c.ids, c.pos, c.slots, cache.geometry, cache.block_tables, entries)
+        return self.model.mtp_forward_step(cctx, cache, c.x, c.ids)
+
+    def chain(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, x: torch.Tensor):
+        """One chained draft step of B requests in the smallest bucket >= B -> (logits [B, V],
+        streams [B, hc, d])."""
+        B = ids.shape[0]
+        bucket = next(b for b in self.buckets if b >= B)
+        c = self.chains.get(bucket)
+        if c is None:
+            c = self.chains[bucket] = self._build_chain(bucket)
+        c.ids[:B].copy_(ids)
+        c.pos[:B].copy_(pos)
+        c.slots[:B].copy_(slots)
+        c.slots[B:].fill_(-1)
+        c.x[:B].copy_(x)
+        if c.graph is not None:
+            c.graph.replay()
+            out = c.out
+        else:
+            with torch.no_grad():
+                out = self._chain_step(c)
+        return out[0][:B], out[1][:B]

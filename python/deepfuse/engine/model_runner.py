@@ -1,34 +1,51 @@
-"""Runs one scheduled step: the step context, the model's flat forward, the sampler."""
+"""The model runner: one call per engine step.
+
+ModelRunner.run(batch) -> StepResult owns the whole device side of a step: the step context
+(built once: the target, the MTP layer's teacher-forced pass and the sampler all read it),
+the target's forward (a replayed graph or eager), the prompt-logprob rows, the token
+constraints' masks, one batched sampling / verification pass, and under speculation the
+MTP layer's pass and its k - 1 chained draft steps. It returns device tensors (tokens
+[B, k + 1] per chunk, how many each chunk emits, the next drafts) and starts their copies
+to pinned host memory; StepResult.wait() reads them back. Nothing in a step waits for the
+host, so the engine may read a step back after it has launched the next one (overlap).
+
+Tensor parallelism (engine/distributed.py): `peers` broadcasts each step's host arrays in
+prepare and, under speculation, the MTP layer's inputs that only rank 0 knows (the emitted
+tokens, then each draft); the other ranks run follow_step with the same arrays, so every
+rank runs the same forwards in the same order.
+"""
 from __future__ import annotations
 
 import time
-from itertools import chain
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 import torch
 
 from .cache import CacheManager
-from .context import StepContext, build_context
-from .sampler import Sampler, SamplerOutput, SamplingBatch, to_device
+from .context import StepContext, build_context, decode_context
+from .sampler import DRAFT, Sampler, SamplingBatch, derive_seed, to_device, top_logprobs
 from .scheduler import ScheduledChunk
+from .speculative import SpecDecoder
 
 
 def apply_constraints(logits: torch.Tensor, reqs) -> torch.Tensor:
     """Mask the logits of tokens that the rows' constraints forbid (bitmask: bit v % 32 of
     word v // 32, 1 = allowed; xgrammar's layout). A constraint that raises sets its
-    request's error (the engine ends that request) and leaves its row unmasked."""
+    request's error (the engine ends that request) and leaves its row unmasked; rows of
+    requests that ended already (overlap) stay unmasked."""
     R, V = logits.shape
     mask = torch.full((R, -(-V // 32)), -1, dtype=torch.int32)
     for row, r in enumerate(reqs):
-        if r.constraint is not None and r.error is None:
+        if r.constraint is not None and r.error is None and r.finish_reason is None:
             try:
                 r.constraint.fill_next_token_bitmask(mask, row)
             except Exception as e:
                 r.error = f"constraint failed: {type(e).__name__}: {e}"
                 mask[row] = -1
     vocab = torch.arange(V, device=logits.device)
-    words = mask.to(logits.device)[:, vocab // 32]
+    words = to_device(mask, torch.int32, logits.device)[:, vocab // 32]
     allowed = ((words >> (vocab % 32).to(torch.int32)) & 1).bool()
     return logits.masked_fill(~allowed, float("-inf"))
 
@@ -46,11 +63,12 @@ def logits_rows(c: ScheduledChunk) -> tuple[int, int]:
 
 
 def host_arrays(chunks: list[ScheduledChunk]):
-    """The step's host arrays (ids, starts, counts, slots, num_logits as int64 numpy) and the
-    rows whose token is still on the device (patch_rows, and its row in the in-flight step's
-    tokens, patch_src; their ids are 0 here)."""
+    """The step's host arrays (ids, starts, counts, slots, num_logits as int64 numpy) and
+    the rows whose token is still on the device: [(flat row, source, index)], source None =
+    the sampled tokens of the step in flight (req.pending), else a drafts tensor [B', k] of
+    an earlier step (req.draft_src) read at the flat index; their ids are 0 here."""
     starts, counts, slots, nlog, ids = [], [], [], [], []
-    patch_rows, patch_src = [], []
+    patch = []
     for c in chunks:
         req, a, n = c.req, c.start, c.count
         starts.append(a)
@@ -59,59 +77,156 @@ def host_arrays(chunks: list[ScheduledChunk]):
         nlog.append(logits_rows(c)[0])
         if req.drafts and a + 1 == req.num_tokens:  # verify: the last token, then the drafts
             ids.append(req.token(a))
-            ids.extend(req.drafts)
+            if req.draft_src is not None:
+                src, i = req.draft_src
+                k = src.shape[1]
+                patch += [(len(ids) + j, src, i * k + j) for j in range(len(req.drafts))]
+                ids.extend([0] * len(req.drafts))
+            else:
+                ids.extend(req.drafts)
             continue
         if n == 1:
             ids.append(req.token(a))
         else:
             ids.extend(req.tokens(a, a + n))
         if req.pending is not None and a + n == req.num_tokens:
-            patch_rows.append(len(ids) - 1)
-            patch_src.append(req.pending[1])
+            patch.append((len(ids) - 1, None, req.pending[1]))
             ids[-1] = 0
     i64 = np.int64
-    return (*(np.array(x, dtype=i64) for x in (ids, starts, counts, slots, nlog)), patch_rows, patch_src)
+    return (*(np.array(x, dtype=i64) for x in (ids, starts, counts, slots, nlog)), patch)
+
+
+@dataclass
+class StepBatch:
+    """What the engine hands the runner for one step (built by ModelRunner.batch)."""
+
+    chunks: list
+    ids: np.ndarray               # [N] the step's tokens (0 where patch fills them in on the device)
+    starts: np.ndarray            # [B]
+    counts: np.ndarray            # [B]
+    slots: np.ndarray             # [B] request slots
+    num_logits: np.ndarray        # [B] logits rows (prompt-logprob rows included)
+    patch: list                   # (flat row, source, index): see host_arrays
+    verified: np.ndarray          # [B] drafts each chunk verifies
+    draft_slots: np.ndarray       # [B] slot of the chunks that draft after this step, -1 for the others
+    next_rows: np.ndarray         # last rows of chunks that sample nothing ...
+    next_ids: np.ndarray          # ... and the token after each (the MTP layer's input; 0 if none)
+
+
+@dataclass
+class StepResult:
+    """One step's outcome on the device (B chunks, K = k + 1)."""
+
+    batch: StepBatch
+    ctx: StepContext
+    tokens: torch.Tensor                        # [B, K] int64: chunk b emits tokens[b, :num_emitted[b]]
+    num_emitted: torch.Tensor                   # [B] int64 (0: the chunk samples nothing)
+    accepted: Optional[torch.Tensor] = None     # [B] drafts the target accepted (real, also when simulating)
+    logprobs: Optional[torch.Tensor] = None     # [B, K] fp32 raw-model logprob of each emitted token
+    top_ids: Optional[torch.Tensor] = None      # [B, K, n]
+    top_logprobs: Optional[torch.Tensor] = None
+    drafts: Optional[torch.Tensor] = None       # [B, k] the next drafts (rows of draft_slots >= 0)
+    draft_logq: Optional[torch.Tensor] = None   # [B, k, V] fp32 their draft log-probs (sampled requests)
+    host: Optional[list] = None                 # pinned host copies of the tensors above (tokens first)
+    event: Optional[object] = None              # CUDA event after those copies
+    fetched: Optional[dict] = None
+
+    def wait(self) -> dict:
+        """Read the step back -> {name: nested lists} (tokens, num_emitted, accepted, logprobs,
+        top_ids, top_logprobs; drafts when they were copied)."""
+        if self.fetched is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self.fetched = {name: t.tolist() for name, t in self.host}
+        return self.fetched
+
+
+@dataclass
+class _Launched:
+    batch: StepBatch
+    ctx: StepContext
+    logits: torch.Tensor
+    streams: Optional[torch.Tensor]
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CacheManager, graphs=None):
+    def __init__(self, model, cache: CacheManager, graphs=None, *, spec: Optional[SpecDecoder] = None, peers=None):
         self.model, self.cache = model, cache
         self.device = model.device
         self.sampler = Sampler()
-        self.graphs = graphs  # GraphRunner: decode / verify steps replay captured graphs
+        self.graphs = graphs  # GraphRunner: uniform steps (and their MTP passes) replay captured graphs
+        self.spec = spec
+        self.k = spec.k if spec is not None else 0
+        self.peers = peers    # tensor parallel: rank 0's side of the step broadcast (engine/distributed.py)
+        if peers is not None:
+            peers.attach(cache)
         self.last_prepare_s = 0.0  # host time of the last step's context building
         self.captured: Optional[list] = None  # set to [] to keep (request ids, logits) of every step (tests)
 
-    def prepare(self, chunks: list[ScheduledChunk], pending_tokens: Optional[torch.Tensor] = None) -> StepContext:
-        """The step context of chunks. pending_tokens: the in-flight step's sampled tokens on
-        the device; a request's last token that is still there (req.pending) is taken from it."""
+    # ------------------------------------------------------------------ the step's inputs
+    def batch(self, chunks: list[ScheduledChunk], draft_slots: Optional[np.ndarray] = None) -> StepBatch:
+        ids, starts, counts, slots, nlog, patch = host_arrays(chunks)
+        B = len(chunks)
+        verified = np.array([len(c.req.drafts) if c.req.drafts and c.start + 1 == c.req.num_tokens else 0
+                             for c in chunks], np.int64)
+        next_rows, next_ids = [], []
+        if self.k:
+            end = np.cumsum(counts) - 1
+            for i, c in enumerate(chunks):
+                e, req = c.start + c.count, c.req
+                if logits_rows(c)[1] == 0:
+                    next_rows.append(end[i])
+                    next_ids.append(req.token(e) if e < req.num_tokens else 0)
+        ds = np.full(B, -1, np.int64) if draft_slots is None else np.asarray(draft_slots, np.int64)
+        return StepBatch(chunks, ids, starts, counts, slots, nlog, patch, verified, ds,
+                         np.array(next_rows, np.int64), np.array(next_ids, np.int64))
+
+    def prepare(self, batch, prev: Optional[StepResult] = None) -> StepContext:
+        """The step context (batch: a StepBatch or the scheduled chunks). prev: the step in
+        flight, whose sampled tokens fill the rows of requests whose last token is still on
+        the device."""
+        if not isinstance(batch, StepBatch):
+            batch = self.batch(batch)
         t0 = time.perf_counter()
-        ids, starts, counts, slots, nlog, patch_rows, patch_src = host_arrays(chunks)
-        key = self.graphs.key(counts, nlog) if self.graphs is not None else None
+        b = batch
+        if self.peers is not None:
+            self.peers.send_step(b)
+        key = self.graphs.key(b.counts, b.num_logits) if self.graphs is not None else None
         if key is not None:
-            ctx = self.graphs.prepare(key, ids, starts, counts, slots, nlog)
+            ctx = self.graphs.prepare(key, b.ids, b.starts, b.counts, b.slots, b.num_logits)
         else:
-            ctx = build_context(ids, starts, counts, slots, nlog, self.cache.geometry, self.cache.block_tables,
-                                self.device, self.cache.host_block_tables)
-        if patch_rows:
-            rows = to_device(patch_rows, torch.int64, self.device)
-            ctx.input_ids[rows] = pending_tokens[to_device(patch_src, torch.int64, self.device)]
+            ctx = build_context(b.ids, b.starts, b.counts, b.slots, b.num_logits, self.cache.geometry,
+                                self.cache.block_tables, self.device, self.cache.host_block_tables)
+        if b.patch:
+            groups: dict = {}
+            for row, src, i in b.patch:
+                g = groups.setdefault(id(src), (src, [], []))
+                g[1].append(row)
+                g[2].append(i)
+            for src, rows, idx in groups.values():
+                src = prev.tokens[:, 0] if src is None else src.reshape(-1)
+                ctx.input_ids[to_device(rows, torch.int64, self.device)] = src[to_device(idx, torch.int64, self.device)]
         self.last_prepare_s = time.perf_counter() - t0
         return ctx
 
-    def sampling_batch(self, chunks: list[ScheduledChunk], ctx: StepContext) -> SamplingBatch:
-        reqs = [chunks[i].req for i in ctx.logits_req]
-        ps = [r.params for r in reqs]
-        nlp = max((p.logprobs or 0 for p in ps), default=0)
-        return SamplingBatch.from_lists(
-            [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
-            [r.seed for r in reqs], [r.num_tokens for r in reqs], num_logprobs=nlp,
-            want_logprobs=any(p.logprobs is not None for p in ps), device=self.device)
+    # ------------------------------------------------------------------ one step
+    def run(self, batch: StepBatch, prev: Optional[StepResult] = None) -> StepResult:
+        """The whole step -> its StepResult (device tensors, copies to the host under way)."""
+        return self.finish(self.launch(batch, prev))
+
+    @torch.no_grad()
+    def launch(self, batch: StepBatch, prev: Optional[StepResult] = None) -> _Launched:
+        """The first half of run: context and the target's forward (no host input after it
+        but the constraints' masks, which finish applies)."""
+        ctx = self.prepare(batch, prev)
+        out = self.forward(batch.chunks, ctx, return_streams=self.k > 0)
+        logits, streams = out if self.k else (out, None)
+        return _Launched(batch, ctx, logits, streams)
 
     @torch.no_grad()
     def forward(self, chunks: list[ScheduledChunk], ctx: StepContext, *, return_streams: bool = False):
-        """The model's flat forward -> logits [R, V] (constraint masks applied), and the final
-        streams [N, hc, d] if asked."""
+        """The model's flat forward -> logits [R, V] of the sampled rows (prompt-logprob rows
+        are consumed here), and the final streams [N, hc, d] if asked."""
         if ctx.graph is not None:
             out = self.graphs.run(ctx)
             if not return_streams and self.graphs.return_streams:
@@ -121,14 +236,181 @@ class ModelRunner:
         logits = out[0] if return_streams else out
         if any(r.wants_prompt_rows for r in (c.req for c in chunks)):
             logits = self._prompt_logprobs(chunks, ctx, logits)
-        if logits.shape[0]:
+        if logits.shape[0] and self.captured is not None:
+            self.captured.append(([chunks[i].req.request_id for i in ctx.logits_req], logits.cpu()))
+        return (logits, out[1]) if return_streams else logits
+
+    def sampling_batch(self, reqs, positions, *, seed_stream: int = 0, logprobs: bool = True) -> SamplingBatch:
+        ps = [r.params for r in reqs]
+        seeds = [r.seed if not seed_stream else derive_seed(r.seed, seed_stream) for r in reqs]
+        return SamplingBatch.from_lists(
+            [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+            seeds, positions, num_logprobs=max((p.logprobs or 0 for p in ps), default=0) if logprobs else 0,
+            want_logprobs=logprobs and any(p.logprobs is not None for p in ps), device=self.device)
+
+    @torch.no_grad()
+    def finish(self, L: _Launched) -> StepResult:
+        """The second half of run: masks, one sampling / verification pass, the drafts."""
+        b, ctx, logits = L.batch, L.ctx, L.logits
+        chunks, dev = b.chunks, self.device
+        B, K = len(chunks), self.k + 1
+        nl = np.asarray(ctx.num_logits, np.int64)
+        first = np.zeros(B, np.int64)
+        np.cumsum(nl[:-1], out=first[1:])
+        jj = np.arange(K)
+        rows_of = np.where(jj[None, :] < nl[:, None], first[:, None] + jj[None, :], 0)
+        R = logits.shape[0]
+        res = StepResult(b, ctx, torch.zeros(B, K, dtype=torch.int64, device=dev),
+                         torch.zeros(B, dtype=torch.int64, device=dev))
+        a = torch.zeros(B, dtype=torch.int64, device=dev)
+        if R:
             reqs = [chunks[i].req for i in ctx.logits_req]
             if any(r.constraint is not None for r in reqs):
                 logits = apply_constraints(logits, reqs)
-            if self.captured is not None:
-                self.captured.append(([r.request_id for r in reqs], logits.cpu()))
-        return (logits, out[1]) if return_streams else logits
+            j_row = np.arange(R) - first[ctx.logits_req]
+            pos = (b.starts + b.counts - nl)[ctx.logits_req] + j_row + 1
+            sb = self.sampling_batch(reqs, pos.tolist(), logprobs=False)
+            rq = to_device(rows_of, torch.int64, dev)
+            emit_n = to_device(np.where(nl > 0, 1, 0), torch.int64, dev)
+            if self.k:
+                ver = j_row < b.verified[ctx.logits_req]
+                d = ctx.input_ids[(ctx.logits_indices[:R] + 1).clamp(max=ctx.num_tokens - 1)]
+                logq = SpecDecoder.draft_logq(chunks, nl, b.verified, R, d) if ver.any() else None
+                target, acc, final = self.sampler.verify(logits, sb, d, to_device(ver, torch.bool, dev), logq)
+                kv = to_device(b.verified, torch.int64, dev)
+                acc_m = acc[rq] & (torch.arange(K, device=dev)[None, :] < kv[:, None])
+                res.accepted = acc_m.long().cumprod(1).sum(1)
+                sim = self.spec.simulated_lengths(b.verified)
+                a = res.accepted if sim is None else to_device(sim, torch.int64, dev)
+                fin = (final if sim is None else target)[rq]
+                res.tokens = torch.where(torch.arange(K, device=dev)[None, :] < a[:, None], d[rq], fin)
+                res.num_emitted = (a + 1) * emit_n
+            else:
+                res.tokens = self.sampler(logits, sb).tokens[rq]
+                res.num_emitted = emit_n
+            want = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+            if want:
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                res.logprobs = lp[rq.reshape(-1), res.tokens.reshape(-1)].view(B, K)
+                if max(want):
+                    v, i = top_logprobs(lp, max(want))
+                    res.top_logprobs, res.top_ids = v[rq], i[rq]
+        host = [("tokens", res.tokens), ("num_emitted", res.num_emitted)]
+        host += [(n, getattr(res, n)) for n in ("accepted", "logprobs", "top_ids", "top_logprobs")
+                 if getattr(res, n) is not None]
+        self._copy_out(res, host)
+        if self.k:
+            try:
+                self._draft(L, res, a, nl, first)
+            except Exception as e:
+                raise RuntimeError(f"drafting failed: {type(e).__name__}: {e}") from e
+            if res.drafts is not None and (self.spec.force_drafts is not None or self.peers is not None):
+                self._copy_out(res, res.host + [("drafts", res.drafts)])
+        return res
 
+    def _copy_out(self, res: StepResult, tensors: list) -> None:
+        if self.device.type == "cuda":
+            res.host = [(n, torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True))
+                        for n, t in tensors]
+            res.event = torch.cuda.Event()
+            res.event.record()
+        else:
+            res.host = list(tensors)
+
+    # ------------------------------------------------------------------ drafting
+    def _draft(self, L: _Launched, res: StepResult, a: torch.Tensor, nl: np.ndarray, first: np.ndarray) -> None:
+        """The MTP layer over the step's rows (teacher-forced on the emitted tokens), then its
+        chain: res.drafts [B, k] for the chunks with a draft slot."""
+        b, ctx, dev, K = L.batch, L.ctx, self.device, self.k + 1
+        B, N = len(b.chunks), ctx.num_tokens
+        ids = ctx.input_ids[:N]
+        nxt = torch.cat([ids[1:], ids.new_zeros(1)])
+        if len(b.next_rows):
+            nxt[to_device(b.next_rows, torch.int64, dev)] = to_device(b.next_ids, torch.int64, dev)
+        R = len(ctx.logits_req)
+        live = nl > 0
+        if R:
+            j_row = np.arange(R) - first[ctx.logits_req]
+            nxt[ctx.logits_indices[:R]] = res.tokens.reshape(-1)[to_device(ctx.logits_req * K + j_row, torch.int64,
+                                                                           dev)]
+            a_row = to_device(np.where(live, first, 0), torch.int64, dev) + torch.minimum(
+                a, to_device(np.maximum(nl - 1, 0), torch.int64, dev))
+            row_a = torch.where(to_device(live, torch.bool, dev), ctx.logits_indices[:R][a_row.clamp(max=R - 1)], 0)
+        else:
+            row_a = torch.zeros(B, dtype=torch.int64, device=dev)
+        base = to_device(b.starts + b.counts - np.maximum(nl, 1), torch.int64, dev) + a  # position of the row
+        if self.peers is not None:
+            self.peers.share(torch.cat([nxt, row_a, base]))
+        logits, y = self._mtp(ctx, L.streams, nxt, row_a)
+        drafting = (b.draft_slots >= 0).any()
+        if not drafting:
+            return
+        reqs = [c.req for c in b.chunks]
+        dsb = self.sampling_batch(reqs, [0] * B, seed_stream=DRAFT, logprobs=False)
+        slots = to_device(b.draft_slots, torch.int64, dev)
+        drafts, logqs = [], []
+        x = y[row_a]
+        for j in range(self.k):
+            d, lq = self._draft_tokens(logits, dsb, base + 2 + j)
+            drafts.append(d)
+            logqs.append(lq)
+            if j == self.k - 1:
+                break
+            if self.peers is not None:
+                self.peers.share(d)
+            logits, x = self._chain(d, base + 1 + j, slots, x)
+        res.drafts = torch.stack(drafts, 1)
+        if logqs[0] is not None:
+            res.draft_logq = torch.stack(logqs, 1)
+
+    def _draft_tokens(self, logits: torch.Tensor, dsb: SamplingBatch, pos: torch.Tensor):
+        if dsb.all_greedy:
+            return logits.argmax(-1), None
+        bt = replace(dsb, position=pos)
+        lq = self.sampler.log_probs(logits, bt)
+        return self.sampler.sample_log_probs(lq, bt.seed, bt.position), lq.float()
+
+    def _mtp(self, ctx: StepContext, streams: torch.Tensor, nxt: torch.Tensor, rows: torch.Tensor):
+        """The MTP layer's teacher-forced pass on the step's context -> (logits [B, V] at
+        `rows`, its output streams [N, hc, d])."""
+        if ctx.graph is not None:
+            return self.graphs.mtp(ctx, nxt, rows)
+        return self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, streams, nxt)
+
+    def _chain(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, streams: torch.Tensor):
+        """One chained draft step (a token per request at device positions) -> (logits [B, V],
+        output streams [B, hc, d])."""
+        if self.graphs is not None and self.graphs.chain_ok(len(ids)):
+            return self.graphs.chain(ids, pos, slots, streams)
+        c = self.cache
+        entries = tuple(c.block_tables[r].shape[1] * c.page_size for r, _ in c.geometry.schedules)
+        cctx = decode_context(ids, pos, slots, c.geometry, c.block_tables, entries)
+        return self.model.mtp_forward_step(cctx, c, streams, ids)
+
+    # ------------------------------------------------------------------ tensor parallel followers
+    @torch.no_grad()
+    def follow_step(self, arrays: list[np.ndarray]) -> None:
+        """A rank > 0: the forwards of rank 0's step (arrays: ids, starts, counts, slots,
+        num_logits, draft_slots; the block-table entries are written already)."""
+        ids, starts, counts, slots, nlog, dslots = arrays[:6]
+        c, dev = self.cache, self.device
+        ctx = build_context(ids, starts, counts, slots, nlog, c.geometry, c.block_tables, dev, c.host_block_tables)
+        out = self.model.forward_step(ctx, c, return_streams=self.k > 0)
+        if not self.k:
+            return
+        N, B = len(ids), len(starts)
+        pack = self.peers.share(torch.empty(N + 2 * B, dtype=torch.int64, device=dev))
+        nxt, row_a, base = pack[:N], pack[N:N + B], pack[N + B:]
+        _, y = self.model.mtp_forward_step(replace(ctx, logits_indices=row_a), c, out[1], nxt)
+        if not (dslots >= 0).any():
+            return
+        s = to_device(dslots, torch.int64, dev)
+        x = y[row_a]
+        for j in range(self.k - 1):
+            d = self.peers.share(torch.empty(B, dtype=torch.int64, device=dev))
+            _, x = self._chain(d, base + 1 + j, s, x)
+
+    # ------------------------------------------------------------------ prompt logprobs
     def _prompt_logprobs(self, chunks: list[ScheduledChunk], ctx: StepContext, logits: torch.Tensor) -> torch.Tensor:
         """Store the prompt logprobs of the prompt rows (row of position p: token p + 1) in
         their requests, then drop those rows: -> the sampled rows' logits, with ctx's logits

@@ -121,6 +121,7 @@ class Request:
     final_pending: bool = False                   # that token is its last (max_tokens / max_model_len)
     drafts: list[int] = field(default_factory=list)  # draft tokens proposed for the next verify step
     draft_logq: Optional[object] = None           # their draft log-probs [k, V] (sampled requests)
+    draft_src: Optional[tuple] = None             # (drafts [B, k] on the device, row): drafts not read back
     error: Optional[str] = None                   # why it failed (finish_reason "error")
     prompt_lps: Optional[list] = None             # prompt_logprobs: [P] logprob of token j given j's prefix
     prompt_tops: Optional[list] = None            # ... and [P] top-n dicts (prompt_logprobs > 0)

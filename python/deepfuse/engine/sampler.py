@@ -41,6 +41,7 @@ from deepfuse.ops.topk import MAX_K as _TOPK_MAX_K
 from .request import MIN_TEMPERATURE
 
 _MASK64 = (1 << 64) - 1
+DRAFT, ACCEPT, RESIDUAL = 1, 2, 3  # speculative decoding's noise streams (0 is the sampler's own)
 
 
 def to_device(x, dtype: torch.dtype, device) -> torch.Tensor:
@@ -153,6 +154,11 @@ def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.topk(x, k, dim=-1, sorted=True)
 
 
+def top_logprobs(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the n largest log-probs of each row of lp [R, V], descending."""
+    return _topk(lp, min(n, lp.shape[1]))
+
+
 def _filter_mask(s: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Bool [R, V]: the tokens that top-k, then top-p, keep (a prefix of the order by value
     descending, id ascending)."""
@@ -227,6 +233,26 @@ class Sampler:
         vocab = torch.arange(logp.shape[1], device=logp.device)
         return (logp + gumbel_noise(seed.long(), position.long(), vocab)).argmax(dim=-1)
 
+    def verify(self, logits: torch.Tensor, b: SamplingBatch, drafts: torch.Tensor, verified: torch.Tensor,
+               logq: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Speculative decoding's one sampling pass over a step's rows (engine/speculative.py):
+        logits [R, V]; drafts [R] int64 (the draft row r verifies); verified [R] bool (row r
+        verifies a draft); logq [R, V] fp64 the draft log-probs of verified rows (None: every
+        draft greedy, one-hot) -> (target [R]: the row's own draw from p, accepted [R] bool:
+        u < min(1, p(d) / q(d)) on verified rows, final [R]: the token the row emits when it
+        is the first one not accepted: a draw from normalise(max(p - q, 0)) on verified
+        rows, target elsewhere). Greedy rows: p is one-hot at the argmax, so a draft is
+        accepted iff it is the argmax, and final = target = the argmax."""
+        if b.all_greedy:
+            target = logits.argmax(-1)
+            return target, (drafts == target) & verified, target
+        logp = self.log_probs(logits, b)
+        target = self.sample_log_probs(logp, b.seed, b.position)
+        if logq is None:
+            logq = torch.full_like(logp, float("-inf")).scatter_(1, drafts[:, None], 0.0)
+        acc, res = accept_drafts(self, logp, logq, drafts, b.seed, b.position)
+        return target, acc & verified, torch.where(verified, res, target)
+
     @staticmethod
     def _sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
@@ -236,3 +262,26 @@ class Sampler:
         vocab = torch.arange(s64.shape[1], device=s64.device)
         scores = s64.add_(gumbel_noise(b.seed.long(), b.position.long(), vocab))
         return torch.where(hot, scores.argmax(dim=-1), greedy)
+
+
+def derive_seeds(seed: torch.Tensor, stream: int) -> torch.Tensor:
+    """derive_seed on a device tensor of int64 seeds (their two's-complement bits)."""
+    z = seed + _i64(stream * 0x9E3779B97F4A7C15)
+    return _mix64(z) & ((1 << 63) - 1)
+
+
+def accept_drafts(sampler: Sampler, logp: torch.Tensor, logq: torch.Tensor, drafts: torch.Tensor, seeds,
+                  position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance test per verify row: logp / logq [R, V] (fp64 target / draft
+    log-probs), drafts [R] (the draft each row verifies), seeds (the rows' request seeds: a
+    list or an int64 tensor), position [R] (the draft's position) -> (accepted [R] bool:
+    u < min(1, p(d) / q(d)), replacement [R]: a draw from normalise(max(p - q, 0)))."""
+    dev = logp.device
+    if not isinstance(seeds, torch.Tensor):
+        seeds = torch.tensor([_i64(s) for s in seeds], dtype=torch.int64, device=dev)
+    p_d = logp.gather(1, drafts[:, None])[:, 0]
+    q_d = logq.gather(1, drafts[:, None])[:, 0]
+    ratio = torch.exp(torch.clamp(p_d - q_d, max=0.0))
+    acc = uniform(derive_seeds(seeds, ACCEPT), position) < ratio
+    resid = torch.log(torch.clamp(logp.exp() - logq.exp(), min=0.0))
+    return acc, sampler.sample_log_probs(resid, derive_seeds(seeds, RESIDUAL), position)

@@ -63,7 +63,7 @@ class Scheduler:
         req.status = Status.FINISHED
 
     def _free(self, req: Request) -> None:
-        req.drafts, req.draft_logq = [], None
+        req.drafts, req.draft_logq, req.draft_src = [], None, None
         if req.cache is not None:
             self.cache.release(req.cache)
             req.cache = None
