@@ -383,9 +383,9 @@ def test_fp8_checkpoint_loads_dequantised(tmp_path):
 def test_host_and_device_tables_identical(tmp_path):
     p = tiny.path(variant="v4.1")
     dev = load(p, dtype=torch.float32)
-    cfg = V41Config.from_json(p)
-    cfg.engram_placement = "host"
-    host = load(p, dtype=torch.float32, config=cfg)
+    host = tiny.load("v4.1", engram_placement="host")
+    with pytest.raises(ValueError, match="engram_placement"):
+        load(p, engram_placement="disk")
     for t in host.engram_tables():
         assert t.weight.device.type == "cpu" and t.weight.is_pinned() == torch.cuda.is_available()
     ids = torch.randint(0, 129280, (2, 15), generator=torch.Generator().manual_seed(5))

@@ -353,7 +353,8 @@ def count_tensors(model: nn.Module) -> int:
 
 
 def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize: bool = False,
-         progress: Optional[bool] = None, config: Optional[V4Config] = None, parallel=None, tokenizer=None):
+         progress: Optional[bool] = None, config: Optional[V4Config] = None, parallel=None, tokenizer=None,
+         engram_placement: Optional[str] = None):
     """Build the V4 (or V4.1: models/v41.py) graph from a checkpoint directory (config.json +
     *.safetensors).
 
@@ -363,8 +364,9 @@ def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize:
     parallel: a models.parallel.ParallelConfig: build and read only rank parallel.rank's
     part of the model (its heads, experts and vocab rows; see models/parallel.py).
     V4.1: tokenizer (a tokenizer.json path or folder; default the checkpoint's own, else the
-    bundled V4 tokenizer) gives the Engram token map; config.engram_placement places the
-    Engram tables ("device" or "host")."""
+    bundled V4 tokenizer) gives the Engram token map; engram_placement (default
+    config.engram_placement, "device") places the Engram tables: "device" or "host" (host
+    memory, page-locked when CUDA is present)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"deepfuse: checkpoint directory {path} does not exist")
@@ -376,6 +378,10 @@ def load(path, *, device="cpu", dtype: torch.dtype = torch.bfloat16, dequantize:
                 config = V41Config.from_json(path)
     cfg = config if config is not None else V4Config.from_json(path)
     v41 = isinstance(cfg, V41Config)
+    if engram_placement is not None:
+        if not v41:
+            raise ValueError("deepfuse: engram_placement applies to V4.1 checkpoints only")
+        cfg = dataclasses.replace(cfg, engram_placement=engram_placement).validate()
     if v41 and parallel is not None and parallel.world_size > 1:
         raise ValueError("deepfuse: tensor / expert parallel loading of V4.1 checkpoints is not built")
     device = torch.device(device)
