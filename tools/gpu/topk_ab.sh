@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B timing of top-k kernel variants with tools/probes/topk_probe.cu, in one GPU call.
 # Build here (local nvcc, ~40 s each); a variant is a name plus nvcc flags (-D switches
-# you add to csrc/topk/topk.cu for the experiment), or a name and a source tree:
+# you add to csrc/topk/*.cuh for the experiment), or a name and a source tree:
 #   bash tools/gpu/topk_ab.sh build base
 #   bash tools/gpu/topk_ab.sh build nobar -DDEEPFUSE_TOPK_AB_NOBAR
 #   SRC=/path/to/other/checkout bash tools/gpu/topk_ab.sh build main
@@ -16,8 +16,13 @@ case "${1:-}" in
     name=$2; shift 2
     src=${SRC:-.}
     mkdir -p ab
+    if [ -f "$src/csrc/topk/topk_plan.cpp" ]; then  # the probe includes the kernels' .cuh
+      srcs=("$src/csrc/topk/topk_plan.cpp")
+    else
+      srcs=("$src/csrc/topk/topk.cu" "$src/csrc/topk/topk_rows.cu")
+    fi
     nvcc -O3 -std=c++17 -arch=sm_90a -DDEEPFUSE_TOPK_PROBE "$@" -I"$src/csrc" "$src/tools/probes/topk_probe.cu" \
-      "$src/csrc/topk/topk.cu" "$src/csrc/topk/topk_rows.cu" "$src/csrc/common/cuda_utils.cu" -o "ab/probe_$name"
+      "${srcs[@]}" "$src/csrc/common/cuda_utils.cu" -o "ab/probe_$name"
     echo "built ab/probe_$name" ;;
   run)
     shift

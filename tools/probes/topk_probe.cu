@@ -1,22 +1,79 @@
 // Standalone timing/phase probe for csrc/topk (no Python): per-shape graph-replayed and
-// eager kernel time, plus per-CTA phase clocks recorded by the kernel's TOPK_PROBE points.
-//   nvcc -O3 -std=c++17 -arch=sm_90a -DDEEPFUSE_TOPK_PROBE -Icsrc tools/probes/topk_probe.cu \
-//        csrc/topk/topk.cu csrc/topk/topk_rows.cu csrc/common/cuda_utils.cu -o topk_probe && ./topk_probe
+// eager kernel time, plus per-CTA phase clocks recorded at the kernels' probe hooks
+// (TOPK_PROBE* in topk_kernel.cuh, TOPK_ROWS_PROBE in topk_rows_kernel.cuh), which this file
+// defines before including them. Not part of the library build. Build and run (sm_90a):
+//   nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc tools/probes/topk_probe.cu csrc/topk/topk_plan.cpp \
+//        csrc/common/cuda_utils.cu -o topk_probe && ./topk_probe
+// -DDEEPFUSE_TOPK_ROWS_OFF: the general kernel only. PROBE_Z=z: the threshold margin.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
 #include <vector>
 
+__device__ unsigned long long g_topk_probe[4096][32];
+__device__ unsigned long long g_topk_rows_probe[4096][16];
+#define TOPK_PROBE(i, v) \
+  do { if (threadIdx.x == 0 && blockIdx.x < 4096) g_topk_probe[blockIdx.x][i] = (v); } while (0)
+#define TOPK_PROBE_ADD(i) \
+  do { if (threadIdx.x == 0 && blockIdx.x < 4096) g_topk_probe[blockIdx.x][i] += 1; } while (0)
+#define TOPK_PROBE_AFTER(i, dep)                                              \
+  do {                                                                        \
+    unsigned long long t_;                                                    \
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t_) : "r"(dep)); /* after dep */ \
+    TOPK_PROBE(i, t_);                                                        \
+  } while (0)
+#define TOPK_ROWS_PROBE(i) \
+  do { if (threadIdx.x == 0 && blockIdx.x < 4096) g_topk_rows_probe[blockIdx.x][i] = clock64(); } while (0)
+
 #include "topk/topk.h"
+#include "topk/topk_kernel.cuh"
+#include "topk/topk_rows_kernel.cuh"
 
 namespace deepfuse {
-void topk_probe_read(unsigned long long* host, int ctas);
-void topk_rows_probe_read(unsigned long long* host, int ctas);
+
+void topk_probe_read(unsigned long long* host, int ctas) {
+  check_cuda(cudaMemcpyFromSymbol(host, g_topk_probe, sizeof(unsigned long long) * 32 * ctas), "probe read");
 }
+
+void topk_rows_probe_read(unsigned long long* host, int ctas) {
+  check_cuda(cudaMemcpyFromSymbol(host, g_topk_rows_probe, sizeof(unsigned long long) * 16 * ctas), "probe read");
+}
+
+// The plan topk() runs for contiguous rows (the general kernel only with ROWS_OFF), with the
+// margin PROBE_Z when set.
+TopkPlan probe_plan(TopkDtype dt, int64_t B, int64_t N, int k) {
+#ifdef DEEPFUSE_TOPK_ROWS_OFF
+  TopkPlan p = topk_plan(dt, B, N, k, false, num_sms(), false);
+#else
+  TopkPlan p = topk_plan(dt, B, N, k, false, num_sms());
+#endif
+  if (getenv("PROBE_Z")) p.margin = static_cast<float>(atof(getenv("PROBE_Z")));
+  return p;
+}
+
+// topk() of the probe's builds: unsorted int32 indices, no values, contiguous rows.
+void run_topk(const void* x, TopkDtype dt, int B, int N, int k, void* idx, cudaStream_t st) {
+  static bool attrs = false;
+  if (!attrs) {
+    set_general_attributes();
+    set_rows_attributes();
+    attrs = true;
+  }
+  const TopkPlan p = probe_plan(dt, B, N, k);
+  const TopkArgs a{x, N, nullptr, nullptr, idx, N, k, 0, 0};
+  if (p.kernel == 1) {
+    launch_rows(a, dt, B, p, st);
+  } else {
+    launch_general(a, dt, B, p, st);
+  }
+}
+
+}  // namespace deepfuse
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); exit(1); } } while (0)
 
@@ -47,7 +104,6 @@ int main(int argc, char** argv) {
     const int k = atoi(argv[3]);
     shapes = {{k < 0 ? 2 : 0, atoi(argv[1]), atoi(argv[2]), k < 0 ? -k : k}};
   }
-  if (getenv("PROBE_Z")) deepfuse::topk_set_margin(static_cast<float>(atof(getenv("PROBE_Z"))));  // margin z
   const int fill_mode = getenv("PROBE_FILL") ? atoi(getenv("PROBE_FILL")) : 0;  // 1 allsame 2 ramp 3 zeros
   void* flush;
   CK(cudaMalloc(&flush, 256 << 20));
@@ -66,7 +122,7 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&idx, (size_t)s.B * s.k * 4));
     fill<<<1024, 256, 0, st>>>(x, (long long)s.B * s.N, s.fmt, 1234u + s.B, fill_mode);
     const auto dt = s.fmt == 0 ? deepfuse::TopkDtype::kBf16 : deepfuse::TopkDtype::kF32;
-    auto run = [&]() { deepfuse::topk(x, dt, s.B, s.N, s.N, s.k, nullptr, nullptr, idx, false, false, st); };
+    auto run = [&]() { deepfuse::run_topk(x, dt, s.B, s.N, s.k, idx, st); };
     run();
     CK(cudaStreamSynchronize(st));
     {  // invariants: indices unique and in range, min(selected) >= max(unselected)
@@ -103,7 +159,7 @@ int main(int argc, char** argv) {
       CK(cudaFree(idx));
       continue;
     }
-    const auto plan = deepfuse::topk_plan(dt, s.B, s.N, s.k, false);
+    const auto plan = deepfuse::probe_plan(dt, s.B, s.N, s.k);
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     // 512 threads, G = 1: persistent CTAs (each records its last row)
@@ -136,7 +192,7 @@ int main(int argc, char** argv) {
     }
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
     for (int r = 0; r < 20; ++r) {
-      if (warm) deepfuse::topk(xw, dt, 132, s.N, s.N, s.k, nullptr, nullptr, iw, false, false, st);
+      if (warm) deepfuse::run_topk(xw, dt, 132, s.N, s.k, iw, st);
       run();
     }
     CK(cudaStreamEndCapture(st, &g));
@@ -148,7 +204,7 @@ int main(int argc, char** argv) {
     CK(cudaEventSynchronize(e1));
     float gms;
     CK(cudaEventElapsedTime(&gms, e0, e1));
-    if (plan.kernel == 1) {  // short-row kernel: CTA 0's phases (topk_rows.cu's ROWS_PROBE points)
+    if (plan.kernel == 1) {  // short-row kernel: CTA 0's phases (TOPK_ROWS_PROBE points)
       std::vector<unsigned long long> rp(16 * std::min(s.B, 4096));
       deepfuse::topk_rows_probe_read(rp.data(), std::min(s.B, 4096));
       auto d = [&](int a, int b) { return (long long)(rp[b] - rp[a]); };
