@@ -52,12 +52,14 @@ DEAD = -1         # a history entry with no token (before the sequence)
 # ----------------------------------------------------------------------------- host helpers
 def compressed_token_map(tokenizer) -> tuple[np.ndarray, int]:
     """(map [V] int64: token id -> compressed id, compressed vocabulary size) of a
-    `tokenizers.Tokenizer`, or of a tokenizer.json path / a folder holding one."""
+    `tokenizers.Tokenizer` (or a transformers fast tokenizer), or of a tokenizer.json path /
+    a folder holding one."""
     from tokenizers import Regex, Tokenizer, normalizers
 
     if isinstance(tokenizer, (str, Path)):
         p = Path(tokenizer)
         tokenizer = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+    tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a transformers fast tokenizer
     lone_space = "\ue000"  # private-use: keeps a token that is one space from stripping to ""
     norm = normalizers.Sequence([
         normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
