@@ -44,7 +44,8 @@ void topk(const TensorArg& x, int k, const TensorArg& lengths, const TensorArg& 
   if (slot_map.defined()) {
     Check(op, "slot_map", slot_map).dtype(DType::kI64).dim(2).inner_contiguous();
     if (slot_map.size(1) < N) Check(op, "slot_map", slot_map).fail("must have >= " + std::to_string(N) + " columns");
-    if (slot_map.size(0) > 1 && slot_map.strides(0) < 0) Check(op, "slot_map", slot_map).fail("must have a non-negative row stride");
+    if (slot_map.size(0) > 1 && slot_map.strides(0) < 0)
+      Check(op, "slot_map", slot_map).fail("must have a non-negative row stride");
     if (!idx64) Check(op, "indices", indices).fail("must be int64 with a slot_map");
     if (!map_rows.defined() && slot_map.size(0) < B)
       Check(op, "slot_map", slot_map).fail("must have >= " + std::to_string(B) + " rows without map_rows");
