@@ -126,3 +126,44 @@ def test_recompute_after_preemption(model):
     rc2 = cache.admit()
     for a, b in ((0, 13), (13, 20), (20, 21), (21, 23)):
         torch.testing.assert_close(step(req, rc2, a, b - a), full[b - 1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [8, 13, 17])
+def test_prefix_snapshot_restore(model, n):
+    """A request restored from another's snapshot at n tokens (the prefix cache) continues as
+    its whole sequence: window rows, open compressor groups, shared pages of rows and keys
+    (the partial page copied) and the Engram history from its own tokens."""
+    g = torch.Generator().manual_seed(n)
+    cfg = model.cfg
+    a = torch.randint(0, 129280, (22,), generator=g).tolist()
+    b = a[:n] + torch.randint(0, 129280, (9,), generator=g).tolist()
+    cache = V41CacheManager(cfg, model_dtype=model.dtype, device="cpu", max_num_seqs=3, max_num_batched_tokens=512,
+                            max_total_tokens=4096, max_model_len=256, page_size=16, num_saved_prefixes=2)
+    tm = model.engram_hasher.token_map.numpy()
+
+    def step(req, rc, start, cnt):
+        ch = ScheduledChunk(req, start, cnt)
+        cache.grow(rc, start + cnt)
+        cache.flush()
+        ctx = build_context(np.asarray(req.tokens(start, start + cnt), np.int64), np.array([start]), np.array([cnt]),
+                            np.array([rc.slot]), np.array([1]), cache.geometry, cache.block_tables, "cpu",
+                            cache.host_block_tables)
+        ctx.engram_history = torch.from_numpy(engram_history([ch], tm, cfg.engram_max_ngram_size))
+        return model.forward_step(ctx, cache)[0]
+
+    ra = Request("a", a, SamplingParams(), 0, 0)
+    rca = cache.admit()
+    step(ra, rca, 0, 5)
+    step(ra, rca, 5, n - 5)
+    snap = cache.snapshot(rca, n)
+    step(ra, rca, n, len(a) - n)  # a goes on writing its own pages past the prefix
+    cache.release(rca)
+    rb = Request("b", b, SamplingParams(), 0, 1)
+    rcb = cache.admit()
+    cache.restore(rcb, snap)
+    full = model(torch.tensor([b]))[0]
+    pos = n
+    for cnt in (1, 3, len(b) - n - 4):
+        torch.testing.assert_close(step(rb, rcb, pos, cnt), full[pos + cnt - 1], rtol=1e-4, atol=1e-4)
+        pos += cnt
+    cache.drop_snapshot(snap)

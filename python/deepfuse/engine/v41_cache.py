@@ -5,8 +5,9 @@ rings exist for the kv source layers only (V4.1's KV sharing): a compressed laye
 holds the pages of the kv source it reads, so sources write and consumers read the same
 pages, and an index source that is not a kv source scores its kv source's keys. One
 schedule (ratio, no overlap) per ratio of the sources; per ratio one page pool and block
-table shared by its sources, whose keys share the pages' ids. Not built yet: saved prefixes
-(prefix caching) and draft-layer rings (DSpark).
+table shared by its sources, whose keys share the pages' ids. Saved prefixes (prefix
+caching) as V4's: window rows, the open groups' state rows and references on the pages of
+compressed rows and keys. Not built yet: draft-layer rings (DSpark).
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ class V41CacheManager(CacheManager):
                  num_saved_prefixes: int = 0):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"deepfuse: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-        if num_saved_prefixes or num_mtp_layers or num_draft_tokens:
-            raise ValueError("deepfuse: the V4.1 cache has no saved prefixes (prefix caching) and no draft layers yet")
+        if num_mtp_layers or num_draft_tokens:
+            raise ValueError("deepfuse: the V4.1 cache has no draft layers (DSpark) yet")
         self.cfg, self.device = cfg, torch.device(device)
         self.fp8 = kv_dtype == "fp8"
         self.kv_dtype = kv_dtype
@@ -53,10 +54,10 @@ class V41CacheManager(CacheManager):
         sources = list(cfg.kv_source_layers)
         ratios = sorted({cfg.ratios[j] for j in sources}, reverse=True)
         self.geometry = CacheGeometry(W, W, Wp, S * Wp, tuple((r, False) for r in ratios), ps, 0)
-        self.num_saved = 0
+        self.num_saved = num_saved_prefixes
         self.saved_base = S + scratch
-        self.ring = self._kv_pool(L, S + scratch + 1, Wp, D)
-        self._saved_free = []
+        self.ring = self._kv_pool(L, S + scratch + num_saved_prefixes + 1, Wp, D)
+        self._saved_free = list(range(num_saved_prefixes - 1, -1, -1))
         self.source_pos = {j: [s for s in sources if cfg.ratios[s] == cfg.ratios[j]].index(j) for j in sources}
         self.state_rows, self.pools, self.comp, self.keys, self.states = {}, {}, {}, {}, {}
         self.block_tables, self.host_block_tables = {}, {}
@@ -71,7 +72,7 @@ class V41CacheManager(CacheManager):
             self.block_tables[r] = torch.zeros(S, maxp, dtype=torch.int64, device=self.device)
             self.host_block_tables[r] = np.zeros((S, maxp), dtype=np.int64)
             self.state_rows[r] = (r, r)
-            self.states[(r, "attn")] = self._state(n, S * r + 1, D)
+            self.states[(r, "attn")] = self._state(n, S * r + num_saved_prefixes * r + 1, D)
         self.layer_pos = [self.source_pos.get(cfg.kv_source_for(i), 0) for i in range(L)]
         self._slots = list(range(S - 1, -1, -1))
         self._pending: list[tuple[int, int, int, int]] = []
@@ -88,7 +89,20 @@ class V41CacheManager(CacheManager):
         per_page = [(r, (self.comp[r][:, 0].numel() * self.comp[r].element_size()
                          + self.keys[r][:, 0].numel() * self.keys[r].element_size())) for r in self.pools]
         var = sum((self._pool_pages(self.max_total_tokens, r) + 1) * b for r, b in per_page)
-        return CacheLayout(self.device_bytes() - var, tuple(per_page), self.page_size, self.num_slots, 1)
+        return CacheLayout(self.device_bytes() - var, tuple(per_page), self.page_size, self.num_slots,
+                           2 if self.num_saved else 1)
+
+    def _copy_states(self, r: int, src_rows, dst_rows) -> None:
+        if len(src_rows):  # ratio 1 keeps no open group
+            super()._copy_states(r, src_rows, dst_rows)
+
+    def restore(self, rc, snap) -> None:
+        """CacheManager.restore, whose copy of the partial last page also covers the keys."""
+        super().restore(rc, snap)
+        for r, pages in snap.pages.items():
+            full = (snap.tokens // r) // self.page_size
+            if len(pages) > full:  # the snapshot still references its page: the source rows are intact
+                self.keys[r][:, rc.pages[r][full]] = self.keys[r][:, pages[full]]
 
     def layer(self, i: int) -> LayerCacheView:
         """Layer i's ring; a compressed layer also its kv source's rows and keys (and, on the
