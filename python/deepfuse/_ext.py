@@ -50,10 +50,6 @@ def _check_device(index: int) -> None:
         )
 
 
-# the _C functions that touch a device: they take device= (the device made current for the call)
-_ON_DEVICE = ("num_sms", "topk", "topk_plan")
-
-
 # _C launchers whose kernels exist for some archs only: name -> the archs that have them.
 # Every other launcher has a kernel for every arch in built_archs(). The device code of these
 # is compiled for those archs only (csrc/common/arch.h) and their C++ launchers refuse other
@@ -84,9 +80,9 @@ def has_kernel(name: str, device: torch.device) -> bool:
 
 
 class _OnDevice:
-    """_C with device=index bound into every launcher: each kernel launches on the device its
-    tensors live on, whatever the current device is (two GPUs in one process). A launcher
-    without a kernel for the device's arch (_KERNEL_ARCHS) raises on lookup, before any launch."""
+    """_C's launchers for one device (`index`; plans take it): a launcher runs on its tensors'
+    device and current stream (two GPUs in one process work). A launcher without a kernel for
+    the device's arch (_KERNEL_ARCHS) raises on lookup, before any launch."""
 
     def __init__(self, index: int):
         self.index = index
@@ -100,8 +96,6 @@ class _OnDevice:
                 f"{', '.join('sm_' + a for a in archs)} only)"
             )
         fn = getattr(_C, name)
-        if name in _ON_DEVICE:
-            fn = functools.partial(fn, device=self.index)
         setattr(self, name, fn)  # cached: later lookups are plain attribute reads
         return fn
 
@@ -123,8 +117,3 @@ def ext(device: torch.device):
     index = device.index if device.index is not None else torch.cuda.current_device()
     _check_device(index)
     return _on_device(index)
-
-
-def stream(device: torch.device) -> int:
-    """The current CUDA stream of `device` as an integer handle (the capture stream in graphs)."""
-    return torch.cuda.current_stream(device).cuda_stream

@@ -72,36 +72,48 @@ def fake_device(monkeypatch):
     _ext._on_device.cache_clear()
 
 
+LAUNCHERS = ("fp8_group_cast", "fp8_block_cast", "topk", "kv_store", "indexer_key_store", "kv_window_copy",
+             "sparse_attention_paged", "moe_route", "moe_experts", "fp8_linear", "hc_mix", "hc_post", "norm_rope",
+             "compress_store", "state_store", "indexer_logits_paged")
+
+
 def test_sm100_op_table(fake_device):
     fake, on = fake_device
     hopper = on((9, 0))
-    for name in _ext._ON_DEVICE:
+    assert hopper.index == 0
+    for name in LAUNCHERS:  # typed launchers: no device bound, their tensors' device runs them
         getattr(hopper, name)()
-    assert sorted(n for n, _ in fake.calls) == sorted(_ext._ON_DEVICE)
-    assert all(d == 0 for _, d in fake.calls)
-    assert all(_ext.has_kernel(n, torch.device("cuda", 0)) for n in _ext._ON_DEVICE)
-    fake.calls.clear()
-    for name in _ext._KERNEL_ARCHS:  # typed launchers: no device bound, their tensors' device runs them
-        getattr(hopper, name)()
-    assert fake.calls == [(n, 0 if n in _ext._ON_DEVICE else None) for n in _ext._KERNEL_ARCHS]
+        assert _ext.has_kernel(name, torch.device("cuda", 0)), name
+    assert fake.calls == [(n, None) for n in LAUNCHERS]
 
     fake.calls.clear()
     blackwell = on((10, 0))
     wgmma_only = {"fp8_linear", "moe_experts"}
-    for name in (*_ext._ON_DEVICE, *wgmma_only):
+    assert set(_ext._KERNEL_ARCHS) == wgmma_only
+    for name in LAUNCHERS:
         assert _ext.has_kernel(name, torch.device("cuda", 0)) == (name not in wgmma_only), name
         if name in wgmma_only:
             with pytest.raises(NotImplementedError, match=f"^deepfuse: no sm_100 kernel for {name} yet"):
                 getattr(blackwell, name)
         else:
             getattr(blackwell, name)()
-    assert sorted(n for n, _ in fake.calls) == sorted(set(_ext._ON_DEVICE) - wgmma_only)
+    assert sorted(n for n, _ in fake.calls) == sorted(set(LAUNCHERS) - wgmma_only)
     # host-only helpers (workspace sizes, fits) are arch-independent
     blackwell.moe_workspace_bytes(T=1, d=128, inter=128, E=8, k=2)
 
     with pytest.raises(RuntimeError, match="sm_120"):  # not built at all: the install's error
         on((12, 0))
     assert not _ext.has_kernel("topk", torch.device("cuda", 0))
+
+
+def test_launcher_list_is_complete():
+    """LAUNCHERS above names every _C function that takes tensors (csrc/*/api.cpp)."""
+    if not _ext.has_cuda_kernels():
+        pytest.skip("needs the compiled extension")
+    C = _ext._C
+    takes_tensors = {n for n in dir(C) if not n.startswith("_") and "torch.Tensor" in (getattr(C, n).__doc__ or "")
+                     and n != "tensor_arg"}
+    assert takes_tensors - {"fp8_linear_workspace_bytes"} == set(LAUNCHERS)
 
 
 def test_arch_table_matches_csrc():
