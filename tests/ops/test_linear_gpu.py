@@ -170,9 +170,8 @@ def _launch_args(M=4, K=256, N=192, G=0, fmt="fp8", device="cpu"):
     (dict(workspace=torch.empty(1 << 18)), r"argument 'workspace' must be uint8"),
 ])
 def test_fp8_linear_launcher_rejects(change, match):
-    sizes = {k: v for k, v in change.items() if k in ("G", "N", "fmt")}
-    a = _launch_args(**sizes)
-    a.update({k: v for k, v in change.items() if k not in sizes})
+    a = dict(_launch_args(**{k: change[k] for k in ("G", "N", "fmt") if k in change}),
+             **{k: v for k, v in change.items() if k not in ("G", "N", "fmt")})
     with pytest.raises(ValueError, match=match):
         _ext._C.fp8_linear(**a)
 
