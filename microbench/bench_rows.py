@@ -2,12 +2,19 @@
 path (norm + RoPE + FP8 + cache store), the compressor step, the paged indexer logits and
 the top-k written as slots.
 
-python -m microbench.bench_rows --out DIR [--quick]
+python -m microbench.bench_rows --out DIR [--quick] [--next-n 1,2,4]
+python -m microbench.bench_rows --out DIR --indexer [--next-n 1,2,4] [--batches 1,8,...] [--contexts 8192,65536]
+    [--once]
 
 Per case: time, bytes moved per second and the fraction of the copy ceiling measured in this
 run (bytes = what the op must read and write once), TFLOP/s for the indexer, and the ratio to
 the torch references on the same GPU (kernels switched off: what a user would otherwise run;
 for topk_slots, torch.topk and a gather).
+
+Indexer cases: B requests of next_n consecutive query tokens each (decode with drafts), C keys
+per request. --indexer runs only them, without the torch reference, each also launched one
+token per CTA (entry_slots padded to N rows, so the kernel groups no tokens: the pre-grouping
+kernel's work) -> per_token_us and x_per_token.
 """
 from __future__ import annotations
 
@@ -40,7 +47,49 @@ def _ref_time(fn):
         _ext.set_kernels_enabled(prev)
 
 
-def cases(quick: bool, g):
+def indexer_case(B, C, next_n, g, per_token=False):
+    """(name, rows, bytes, flops, fn) of indexer_logits_paged for B requests of next_n tokens and
+    C keys each; per_token: entry_slots padded to one row per token (no tokens grouped)."""
+    ps = 64
+    P = B * C // ps + 1
+    kp = torch.randint(0, 120, (P, ps * F.IDX_ROW_BYTES), dtype=torch.uint8, device=DEV)
+    kp[:, ps * 128:].view(torch.float32)[:] = 0.01
+    entry = torch.randperm(P * ps, device=DEV)[: B * C].view(B, C)
+    N = B * next_n
+    if per_token and N > B:
+        entry = torch.cat([entry, entry.new_full((N - B, C), -1)])
+    req = torch.arange(B, device=DEV).repeat_interleave(next_n)
+    nv = torch.full((N,), C, dtype=torch.int32, device=DEV)
+    q = _bf(N, 64, 128, g=g)
+    wts = torch.randn(N, 64, device=DEV) * 0.125
+    flops = 2 * N * C * 64 * 128
+    return (f"indexer logits C={C} next_n={next_n}", B, B * C * (F.IDX_ROW_BYTES + 8) + N * C * 4, flops,
+            lambda q=q, w=wts, kp=kp, e=entry, r=req, n=nv: ops.indexer_logits_paged(q, w, kp, ps, e, r, n, 0.088))
+
+
+def indexer_rows(ctx, g, next_n, batches, contexts, once=False):
+    rows = []
+    for C in contexts:
+        for nn in next_n:
+            for B in batches:
+                name, M, nbytes, flops, fn = indexer_case(B, C, nn, g)
+                if once:  # one call per case, untimed (for a profiler)
+                    fn()
+                    torch.cuda.synchronize()
+                    continue
+                t = H.time_fn(fn)
+                del fn
+                tp = H.time_fn(indexer_case(B, C, nn, g, per_token=True)[4])
+                r = dict(case=name, rows=M, us=t.median_us, TBps=nbytes / t.s / 1e12,
+                         frac_copy=nbytes / t.s / 1e12 / ctx.copy_tbps, TFLOPs=flops / t.s / 1e12,
+                         per_token_us=tp.median_us, x_per_token=tp.median_us / t.median_us)
+                rows.append(r)
+                H.print_table([r], INDEXER_COLS)
+                torch.cuda.empty_cache()
+    return rows
+
+
+def cases(quick: bool, g, next_n=(1,)):
     out = []
     for M in ([1, 64] if quick else [1, 64, 1024]):
         x, w = _bf(M, 4096, g=g), torch.rand(4096, device=DEV) + 0.5
@@ -76,18 +125,11 @@ def cases(quick: bool, g):
                     lambda a=(kvs, sc, skv, ssc, ape, plan, nw, 1e-6, c, s, t): ops.compress_store(*a)))
     grid = [(1, 1024), (64, 1024), (1, 16384)] if quick else [(1, 1024), (64, 1024), (1, 16384), (64, 16384)]
     for B, C in grid:
-        ps = 64
-        P = B * C // ps + 1
-        kp = torch.randint(0, 120, (P, ps * F.IDX_ROW_BYTES), dtype=torch.uint8, device=DEV)
-        kp[:, ps * 128:].view(torch.float32)[:] = 0.01
-        entry = torch.randperm(P * ps, device=DEV)[: B * C].view(B, C)
-        req = torch.arange(B, device=DEV)
+        for nn in next_n:
+            out.append(indexer_case(B, C, nn, g))
         nv = torch.full((B,), C, dtype=torch.int32, device=DEV)
-        q = _bf(B, 64, 128, g=g)
-        wts = torch.randn(B, 64, device=DEV) * 0.125
-        flops = 2 * B * C * 64 * 128
-        out.append((f"indexer logits C={C}", B, B * C * (F.IDX_ROW_BYTES + 4 + 8), flops,
-                    lambda q=q, w=wts, kp=kp, e=entry, r=req, n=nv: ops.indexer_logits_paged(q, w, kp, ps, e, r, n, 0.088)))
+        entry = torch.randperm(B * C, device=DEV).view(B, C)
+        req = torch.arange(B, device=DEV)
         sc = torch.randn(B, C, device=DEV)
         out.append((f"topk_slots 512 of C={C}", B, B * C * 4, 0,
                     lambda sc=sc, n=nv, e=entry, r=req: ops.topk_slots(sc, 512, n, e, r),
@@ -95,11 +137,31 @@ def cases(quick: bool, g):
     return out
 
 
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def _extra(ap):
+    ap.add_argument("--next-n", type=_ints, default=[1], help="query tokens per request of the indexer cases")
+    ap.add_argument("--indexer", action="store_true", help="only the indexer cases (no torch reference)")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64, 128], help="requests (--indexer)")
+    ap.add_argument("--contexts", type=_ints, default=[8192, 65536], help="keys per request (--indexer)")
+    ap.add_argument("--once", action="store_true", help="--indexer: one untimed call per case (for ncu)")
+
+
 def main(argv=None):
-    args, ctx = H.start(argv)
+    args, ctx = H.start(argv, _extra)
     g = torch.Generator(device=DEV).manual_seed(0)
+    if args.indexer:
+        rows = indexer_rows(ctx, g, args.next_n, args.batches, args.contexts, args.once)
+        if args.once:
+            return
+        print()
+        H.print_table(rows, INDEXER_COLS)
+        H.save(args.out, "rows_indexer", ctx, rows)
+        return
     rows = []
-    for name, M, nbytes, flops, fn, *ref in cases(args.quick, g):
+    for name, M, nbytes, flops, fn, *ref in cases(args.quick, g, args.next_n):
         t = H.time_fn(fn)
         r = dict(case=name, rows=M, us=t.median_us, TBps=nbytes / t.s / 1e12, frac_copy=nbytes / t.s / 1e12 / ctx.copy_tbps)
         if flops:
@@ -115,6 +177,8 @@ def main(argv=None):
 
 COLS = [("case", "{}"), ("rows", "{}"), ("us", "{:.1f}"), ("TBps", "{:.2f}"), ("frac_copy", "{:.2f}"),
         ("TFLOPs", "{:.0f}"), ("ref_us", "{:.1f}"), ("x_ref", "{:.1f}")]
+INDEXER_COLS = [("case", "{}"), ("rows", "{}"), ("us", "{:.1f}"), ("TBps", "{:.2f}"), ("frac_copy", "{:.2f}"),
+                ("TFLOPs", "{:.0f}"), ("per_token_us", "{:.1f}"), ("x_per_token", "{:.2f}")]
 
 if __name__ == "__main__":
     main()

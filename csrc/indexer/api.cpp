@@ -47,8 +47,9 @@ void indexer_logits_paged(const TensorArg& q, const TensorArg& weights, const Te
   const int64_t page_bytes = pages.size(1), num_pages = pages.size(0), slots_ld = entry_slots.strides(0);
   deepfuse::indexer_logits_paged(q.data, weights.ptr<const float>(), pages.ptr<const uint8_t>(), page_bytes,
                                  num_pages, static_cast<int>(page_size), entry_slots.ptr<const int64_t>(), slots_ld,
-                                 token_req.ptr<const int64_t>(), n_vis.ptr<const int32_t>(), N, static_cast<int>(C),
-                                 static_cast<float>(scale), out.ptr<float>(), as_cuda_stream(scope));
+                                 entry_slots.size(0), token_req.ptr<const int64_t>(), n_vis.ptr<const int32_t>(), N,
+                                 static_cast<int>(C), static_cast<float>(scale), out.ptr<float>(),
+                                 as_cuda_stream(scope));
 }
 
 }  // namespace api

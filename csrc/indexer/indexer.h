@@ -16,9 +16,17 @@ constexpr int kIndexerDim = 128;
 // out[t, e] = scale * s_e * sum_h w[t, h] relu(q[t, h] . code_e) for e < min(n_vis[t], C)
 // (s_e, code_e: the key's scale and e4m3 codes; an entry with slot < 0 scores 0), -inf
 // beyond. q is rounded to fp16 for the MMA (exact for |q| in [2^-14, 65504]).
+// num_reqs (the rows of entry_slots) only picks how many consecutive tokens a CTA takes
+// (indexer_rows_per_cta): tokens of one request share each key tile they read; the results do
+// not depend on it (each token's sums run in one fixed order).
 void indexer_logits_paged(const void* q, const float* weights, const uint8_t* pages, int64_t page_bytes,
                           int64_t num_pages, int page_size, const int64_t* entry_slots, int64_t slots_ld,
-                          const int64_t* token_req, const int32_t* n_vis, int64_t N, int C, float scale, float* out,
-                          cudaStream_t stream);
+                          int64_t num_reqs, const int64_t* token_req, const int32_t* n_vis, int64_t N, int C,
+                          float scale, float* out, cudaStream_t stream);
+
+// Tokens per CTA (1..4) for N tokens over num_reqs requests, from the shapes alone: 1 below two
+// tokens per request; for N / num_reqs = n tokens each (decode with drafts), the largest of 4, 3,
+// 2 that divides n, else 4; 4 when N is no multiple of num_reqs (prefill chunks).
+int indexer_rows_per_cta(int64_t N, int64_t num_reqs);
 
 }  // namespace deepfuse

@@ -46,7 +46,9 @@ def test_launcher_rejects_dtype_shape_and_device(change, match):
 
 @needs_ext
 def test_launcher_valid_arguments_reach_the_device_check():
-    for kw in (dict(N=0), dict(C=0), dict(ps=64, P=1)):
+    # any number of tokens per request (the kernel groups a request's tokens by the shapes alone)
+    for kw in (dict(N=0), dict(C=0), dict(ps=64, P=1), dict(N=8, B=2), dict(N=7, B=2), dict(N=6, B=2),
+               dict(N=1, B=5)):
         with pytest.raises(ValueError, match="argument 'q' must be a CUDA tensor"):
             _ext._C.indexer_logits_paged(**_launch_args(**kw))
     with pytest.raises(TypeError):  # keywords only

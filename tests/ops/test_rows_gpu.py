@@ -186,22 +186,23 @@ def test_row_launchers_reject_mixed_devices():
                             slots=torch.zeros(4, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("N,B,C", [(1, 1, 300), (9, 3, 2048), (64, 64, 700), (5, 2, 16400)])
-def test_indexer_logits_paged(N, B, C):
-    g = _g(N * 7 + C)
-    ps = 64
-    P = (B * C) // ps + 3
-    keys = _randn(P * ps, 128, g=g, scale=1.5)
+def _idx_pages(n_keys, ps, g):
+    P = n_keys // ps + 3
     pages = torch.zeros(P, ps * F.IDX_ROW_BYTES, dtype=torch.uint8, device=DEV)
     ops.indexer_key_store(F.IndexerKeyPages(F.IndexerKeyFormat(ps, "fp8"), pages.unsqueeze(0)),
-                          torch.arange(P * ps, device=DEV), keys)
-    entry = torch.randperm(P * ps, generator=g, device=DEV)[: B * C].view(B, C).to(torch.int64)
+                          torch.arange(P * ps, device=DEV), _randn(P * ps, 128, g=g, scale=1.5))
+    return pages
+
+
+def _check_indexer(token_req, n_vis, B, C, g, ps=64):
+    """indexer_logits_paged against its reference (fp32 sums in another order: a relative bound),
+    and bit for bit against the same rows run one per CTA (entry_slots expanded to one row per
+    token: a launch of single tokens), so no grouping of tokens changes a bit."""
+    N = token_req.shape[0]
+    pages = _idx_pages(B * C, ps, g)
+    entry = torch.randperm(pages.shape[0] * ps, generator=g, device=DEV)[: B * C].view(B, C).to(torch.int64)
     entry[:, -3:] = -1
     entry[0, 1] = -1
-    token_req = torch.randint(0, B, (N,), generator=g, device=DEV)
-    token_req[0] = 0
-    n_vis = torch.randint(0, C + 1, (N,), generator=g, device=DEV).to(torch.int32)
-    n_vis[0] = C
     q = _randn(N, 64, 128, g=g)
     wts = torch.randn(N, 64, generator=g, device=DEV) * 0.125
     out = ops.indexer_logits_paged(q, wts, pages, ps, entry, token_req, n_vis, 128 ** -0.5)
@@ -209,10 +210,68 @@ def test_indexer_logits_paged(N, B, C):
     vis = torch.arange(C, device=DEV)[None, :] < n_vis[:, None]
     assert torch.isinf(out[~vis]).all() and (out[~vis] < 0).all()
     # exact products (q in fp16, codes in e4m3); fp32 sums of 128 x 64 terms in another order
-    scale = ref[vis].abs().max()
-    err = (out[vis] - ref[vis]).abs().max()
-    assert err <= 1e-5 * scale + 1e-6, f"max err {err.item()} (scale {scale.item()})"
+    if vis.any():
+        scale = ref[vis].abs().max()
+        err = (out[vis] - ref[vis]).abs().max()
+        assert err <= 1e-5 * scale + 1e-6, f"max err {err.item()} (scale {scale.item()})"
+    single = ops.indexer_logits_paged(q, wts, pages, ps, entry[token_req].contiguous(),
+                                      torch.arange(N, device=DEV), n_vis, 128 ** -0.5)
+    assert torch.equal(out, single), f"{(out != single).sum().item()} values differ from one token per CTA"
+    return out
+
+
+@pytest.mark.parametrize("N,B,C", [(1, 1, 300), (9, 3, 2048), (64, 64, 700), (5, 2, 16400)])
+def test_indexer_logits_paged(N, B, C):
+    g = _g(N * 7 + C)
+    token_req = torch.randint(0, B, (N,), generator=g, device=DEV)
+    token_req[0] = 0
+    n_vis = torch.randint(0, C + 1, (N,), generator=g, device=DEV).to(torch.int32)
+    n_vis[0] = C
+    out = _check_indexer(token_req, n_vis, B, C, g)
     assert out[0, 1].item() == 0.0  # a slot-less entry scores 0
+
+
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("B,C", [(1, 8192), (7, 700), (33, 2049)])
+def test_indexer_logits_paged_drafts(next_n, B, C):
+    """Decode with drafts: next_n consecutive tokens per request (tokens per CTA 1..4), the
+    drafts seeing up to one more entry each, some requests with nothing visible."""
+    g = _g(next_n * 1000 + B + C)
+    token_req = torch.arange(B, device=DEV).repeat_interleave(next_n)
+    base = torch.randint(0, C - next_n + 1, (B,), generator=g, device=DEV)
+    base[0] = C - next_n + 1
+    step = torch.randint(0, 2, (B, next_n), generator=g, device=DEV).cumsum(1) - 1
+    n_vis = (base[:, None] + step).clamp(min=0).flatten().to(torch.int32)
+    if B > 2:
+        n_vis[next_n:2 * next_n] = 0
+    _check_indexer(token_req, n_vis, B, C, g)
+
+
+@pytest.mark.parametrize("case", ["prefill", "chunks", "shuffled", "tail"])
+def test_indexer_logits_paged_mixed_groups(case):
+    """Groups of tokens that do not share a request or their n_vis: causal prefill of one
+    request (n_vis grows per token), chunks of different lengths (groups span requests), tokens
+    of requests in random order, and an odd N (a short last group)."""
+    g = _g(len(case))
+    C = 1500
+    if case == "prefill":
+        B, N = 1, 301
+        token_req = torch.zeros(N, dtype=torch.int64, device=DEV)
+        n_vis = ((torch.arange(N, device=DEV) + 700) // 2).clamp(max=C).to(torch.int32)
+    elif case == "chunks":
+        lens = [5, 1, 1, 7, 2, 3, 1, 9]
+        B = len(lens)
+        token_req = torch.repeat_interleave(torch.arange(B, device=DEV), torch.tensor(lens, device=DEV))
+        n_vis = torch.randint(0, C + 1, (token_req.shape[0],), generator=g, device=DEV).to(torch.int32)
+    elif case == "shuffled":
+        B = 10
+        token_req = torch.arange(B, device=DEV).repeat(4)[torch.randperm(4 * B, generator=g, device=DEV)]
+        n_vis = torch.full((4 * B,), C, dtype=torch.int32, device=DEV)
+    else:
+        B = 4
+        token_req = torch.tensor([0] * 4 + [1] * 4 + [2] * 4 + [3] * 3, device=DEV)  # N 15, 4 rows per CTA
+        n_vis = torch.randint(C // 2, C + 1, (15,), generator=g, device=DEV).to(torch.int32)
+    _check_indexer(token_req, n_vis, B, C, g)
 
 
 @pytest.mark.parametrize("N,C,k", [(1, 3000, 512), (33, 1000, 512), (64, 200, 512), (8, 20000, 1024)])
@@ -263,4 +322,23 @@ def test_rows_sanitize_small():
                                   torch.zeros(3, dtype=torch.int64, device=DEV), n_vis, 0.1)
     sel = ops.topk_slots(sc, 4, n_vis, entry, torch.zeros(3, dtype=torch.int64, device=DEV))
     assert sel.shape == (3, 4)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.sanitize
+def test_indexer_sanitize_groups():
+    """indexer_logits_paged's paths for compute-sanitizer: a group of one request's tokens with
+    different n_vis, groups spanning requests (one token at a time), a short last group."""
+    g = _g(98)
+    ps = 16
+    kp = _idx_pages(2 * 70, ps, g)
+    entry = torch.randperm(kp.shape[0] * ps, generator=g, device=DEV)[:140].view(2, 70).to(torch.int64)
+    entry[1, 5] = -1
+    for req, nv in (([0, 0, 0, 0], [70, 3, 0, 66]), ([0, 1, 0, 1], [70, 70, 9, 0]),
+                    ([0, 0, 0, 0, 1], [1, 2, 3, 4, 70])):
+        n = len(req)
+        sc = ops.indexer_logits_paged(_randn(n, 64, 128, g=g), torch.rand(n, 64, device=DEV), kp, ps, entry,
+                                      torch.tensor(req, device=DEV), torch.tensor(nv, dtype=torch.int32, device=DEV),
+                                      0.1)
+        assert sc.shape == (n, 70)
     torch.cuda.synchronize()
