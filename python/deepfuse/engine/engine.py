@@ -21,6 +21,7 @@ from .request import Request, RequestOutput, SamplingParams, Status
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .speculative import SpecDecoder
+from .v41_cache import V41CacheManager
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class Engine:
         such an engine runs without graphs, overlap and prefix caching."""
         if peers is not None:
             config = dataclasses.replace(config, overlap=False, enable_prefix_caching=False, cuda_graphs=False)
+        if hasattr(model.cfg, "kv_source_layers"):  # DeepSeek V4.1 (models/v41.py): eager steps, no overlap yet
+            config = dataclasses.replace(config, overlap=False, cuda_graphs=False)
         config.validate()
         self.model, self.config = model, config
         cfg = model.cfg
@@ -130,7 +133,8 @@ class Engine:
 
     def _new_cache(self, total: int, max_len: int) -> CacheManager:
         c = self.config
-        return CacheManager(self.model.cfg, model_dtype=self.model.dtype, device=self.model.device,
+        cls = V41CacheManager if hasattr(self.model.cfg, "kv_source_layers") else CacheManager
+        return cls(self.model.cfg, model_dtype=self.model.dtype, device=self.model.device,
                             kv_dtype=self.kv_dtype, max_num_seqs=c.max_num_seqs,
                             max_num_batched_tokens=c.max_num_batched_tokens, max_total_tokens=total,
                             max_model_len=max_len, page_size=c.page_size, num_draft_tokens=c.num_speculative_tokens,

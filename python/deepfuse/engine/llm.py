@@ -12,22 +12,25 @@ from .request import RequestOutput, SamplingParams
 
 def _load(model, device, dtype):
     from deepfuse import models
+    from deepfuse.models.v41 import V41Model
 
-    if isinstance(model, models.V4Model):
+    if isinstance(model, (models.V4Model, V41Model)):
         if device is not None and torch.device(device) != model.device:
             raise ValueError(f"deepfuse: LLM: device {device} differs from the model's ({model.device})")
         if dtype is not None and dtype != model.dtype:
             raise ValueError(f"deepfuse: LLM: dtype {dtype} differs from the model's ({model.dtype})")
         return model
     if not isinstance(model, str):
-        raise ValueError(f"deepfuse: LLM: model must be a checkpoint directory, 'tiny', 'random-flash[:layers]' or a "
-                         f"V4Model, got "
+        raise ValueError(f"deepfuse: LLM: model must be a checkpoint directory, 'tiny', 'tiny-v4.1', "
+                         f"'random-flash[:layers]' or a V4Model / V41Model, got "
                          f"{type(model).__name__}")
     device = torch.device(device or "cpu")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if model == "tiny":
         return models.tiny.load(device=device, dtype=dtype)
+    if model == "tiny-v4.1":
+        return models.tiny.load("v4.1", device=device, dtype=dtype)
     if model == "random-flash" or model.startswith("random-flash:"):
         # a random V4-Flash-width model built on the device (benchmarks): random-flash[:swa,csa,hca,...]
         from deepfuse.models import random as rnd

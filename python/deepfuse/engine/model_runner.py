@@ -25,6 +25,7 @@ import torch
 
 from .cache import CacheManager
 from .context import StepContext, build_context, decode_context
+from .engram_state import engram_history
 from .sampler import DRAFT, Sampler, SamplingBatch, derive_seed, to_device, top_logprobs
 from .scheduler import ScheduledChunk
 from .speculative import SpecDecoder
@@ -197,6 +198,10 @@ class ModelRunner:
         else:
             ctx = build_context(b.ids, b.starts, b.counts, b.slots, b.num_logits, self.cache.geometry,
                                 self.cache.block_tables, self.device, self.cache.host_block_tables)
+        hasher = getattr(self.model, "engram_hasher", None)
+        if hasher is not None:  # V4.1 Engram: the n-gram history before each chunk
+            ctx.engram_history = to_device(engram_history(b.chunks, hasher.token_map.numpy(), hasher.max_ngram),
+                                           torch.int64, self.device)
         if b.patch:
             groups: dict = {}
             for row, src, i in b.patch:
