@@ -68,13 +68,14 @@ def device_arg(s: str) -> str:
 
 
 def model_arg(s: str) -> str:
-    """'tiny', 'random-flash[:kinds]' or a checkpoint directory with config.json."""
+    """'tiny', 'tiny-v4.1', 'random-flash[:kinds]' or a checkpoint directory with config.json."""
     import os
 
-    if s == "tiny" or s == "random-flash" or s.startswith("random-flash:"):
+    if s in ("tiny", "tiny-v4.1") or s == "random-flash" or s.startswith("random-flash:"):
         return s
     if not os.path.isdir(s):
-        raise argparse.ArgumentTypeError(f"{s!r} is neither 'tiny', 'random-flash[:layers]' nor a checkpoint directory")
+        raise argparse.ArgumentTypeError(f"{s!r} is neither 'tiny', 'tiny-v4.1', 'random-flash[:layers]' nor a "
+                                         "checkpoint directory")
     if not os.path.isfile(os.path.join(s, "config.json")):
         raise argparse.ArgumentTypeError(f"{s!r} has no config.json (not a checkpoint directory)")
     return s
