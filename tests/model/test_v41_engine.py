@@ -42,3 +42,14 @@ def test_llm_tiny_v41_equals_full_forward(kw):
     if kw.get("enable_prefix_caching"):  # the same prompts again: served from saved prefixes
         again = llm.generate(prompts, SamplingParams(max_tokens=6))
         assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_memory_profiling_step_runs():
+    """engine/memory.py's largest step (the CUDA memory plan's probe) runs a V4.1 model."""
+    from deepfuse.engine.memory import largest_step
+    from deepfuse.models import tiny
+
+    m = tiny.load("v4.1")
+    c = V41CacheManager(m.cfg, model_dtype=m.dtype, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
+                        max_total_tokens=1024, max_model_len=256, page_size=16)
+    assert largest_step(m, c, max_num_batched_tokens=64, max_num_seqs=4, max_len=256).shape == (4,)

@@ -207,6 +207,9 @@ def largest_step(model, cache, *, max_num_batched_tokens: int, max_num_seqs: int
     with torch.no_grad():
         ctx = build_context(ids, starts, counts, np.arange(B, dtype=np.int64), nlog, cache.geometry,
                             cache.block_tables, dev, cache.host_block_tables)
+        hasher = getattr(model, "engram_hasher", None)
+        if hasher is not None:  # V4.1 Engram: no history before the profiled chunks
+            ctx.engram_history = torch.full((B, hasher.max_ngram - 1), -1, dtype=torch.int64, device=dev)
         logits = model.forward_step(ctx, cache)
         R = logits.shape[0]
         batch = SamplingBatch.from_lists([1.0] * R, [50] * R, [0.9] * R, [0.05] * R, list(range(R)),
