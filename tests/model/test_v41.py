@@ -9,8 +9,6 @@ release's names, host and device Engram tables, cache bytes per token.
 """
 import json
 import math
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -278,8 +276,8 @@ def _attention(layer_id, attn, H_in, cfg, ropes, shared):
             if layer_id == cfg.candidate_source_layer:
                 bs = cfg.candidate_block_size
                 nb = -(-vis // bs)
-                best = {b: (math.inf if b == (vis - 1) // bs else max(sc[j] for j in range(b * bs, min(vis, (b + 1) * bs))))
-                        for b in range(nb)}
+                best = {b: (math.inf if b == (vis - 1) // bs
+                            else max(sc[j] for j in range(b * bs, min(vis, (b + 1) * bs)))) for b in range(nb)}
                 kept = sorted(best, key=lambda b: -best[b])[:cfg.candidate_topk_blocks]
                 cands.append({j for b in kept for j in range(b * bs, (b + 1) * bs)})
             elif 0 <= cfg.candidate_source_layer < layer_id:

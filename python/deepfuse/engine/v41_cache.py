@@ -39,8 +39,8 @@ class V41CacheManager(CacheManager):
         self.dtype = model_dtype if kv_dtype == "auto" else torch.bfloat16
         D, Di = cfg.head_dim, cfg.index_head_dim
         if self.fp8 and (D != F.KV_DIM or Di != F.IDX_DIM):
-            raise ValueError(f"deepfuse: kv_dtype 'fp8' stores {F.KV_DIM}-dim KV rows and {F.IDX_DIM}-dim indexer keys; "
-                             f"this model has head_dim {D}, index_head_dim {Di} (use 'auto' or 'bf16')")
+            raise ValueError(f"deepfuse: kv_dtype 'fp8' stores {F.KV_DIM}-dim KV rows and {F.IDX_DIM}-dim indexer "
+                             f"keys; this model has head_dim {D}, index_head_dim {Di} (use 'auto' or 'bf16')")
         if page_size < F.PAGE_ALIGN_ROWS or page_size % F.PAGE_ALIGN_ROWS:
             raise ValueError(f"deepfuse: page_size must be a positive multiple of 16, got {page_size}")
         S = self.num_slots = max_num_seqs

@@ -376,7 +376,8 @@ class V41Attention(nn.Module):
                 shared["comp"] = ops.rope(latent, bc, bs)
             comp = shared["comp"]
             if self.indexer is not None:
-                shared["sel"] = self.indexer(x, qr, positions, cos, sin, shared["keys"], shared) if comp.shape[1] else None
+                shared["sel"] = (self.indexer(x, qr, positions, cos, sin, shared["keys"], shared)
+                                 if comp.shape[1] else None)
             sel = shared["sel"]
             if sel is not None:
                 rows = torch.cat([rows, comp], dim=1)

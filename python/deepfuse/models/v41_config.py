@@ -101,7 +101,8 @@ class V41Config(V4Config):
 
         n = self.num_hidden_layers
         need(len(self.ratios) == n, f"compress_ratios has {len(self.ratios)} backbone entries, expected {n}")
-        need(all(isinstance(r, int) and r >= 0 for r in self.ratios), f"compress_ratios must be ints >= 0: {self.ratios}")
+        need(all(isinstance(r, int) and r >= 0 for r in self.ratios),
+             f"compress_ratios must be ints >= 0: {self.ratios}")
         need(all(r == 0 for r in self.mtp_ratios), f"draft layers must be sliding-window (ratio 0): {self.mtp_ratios}")
         need(set(self.kv_source_layers) <= set(self.index_source_layers),
              f"every kv source must be an index source (it produces the indexer keys): {self.kv_source_layers} vs "
@@ -125,7 +126,8 @@ class V41Config(V4Config):
         need(len(self.engram_num_embeddings) == L,
              f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries for {L} Engram layers")
         if L:
-            need(all(0 <= i < n for i in self.engram_layer_ids), f"engram_layer_ids out of range: {self.engram_layer_ids}")
+            need(all(0 <= i < n for i in self.engram_layer_ids),
+                 f"engram_layer_ids out of range: {self.engram_layer_ids}")
             need(self.engram_max_ngram_size >= 2 and self.engram_n_heads > 0,
                  "engram_max_ngram_size must be >= 2 and engram_n_heads > 0")
             need(self.engram_head_dim > 0 and self.engram_head_dim % 32 == 0,

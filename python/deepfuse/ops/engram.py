@@ -200,7 +200,8 @@ def engram_hash(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Te
 
 
 # ----------------------------------------------------------------------------- engram_lookup
-def engram_lookup_ref(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def engram_lookup_ref(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
     N, C = ids.shape
     D = table.shape[1]
     flat = ids.reshape(-1).to(table.device, torch.int64)
