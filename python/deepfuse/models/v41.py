@@ -1,4 +1,5 @@
-"""The DeepSeek V4.1 causal LM graph (full forward of whole sequences; docs/notes/v41.md).
+"""The DeepSeek V4.1 causal LM graph: the full forward of whole sequences (forward) and the
+engine's flat step on engine/v41_cache.py's pages (forward_step); docs/notes/v41.md.
 
     embed -> mHC streams -> [Engram at engram_layer_ids] -> blocks -> collapse -> norm -> head
 
@@ -23,7 +24,9 @@ of the release) and its public ports:
 
 Checkpoint names are the release's (models/v41_config.py, models/loader.py). The mHC
 coefficients of the shifted form run as torch code (ops.hc_pre returns the collapse with
-its own pre, which V4.1 does not use); everything else calls deepfuse ops.
+its own pre, which V4.1 does not use), and so does the step's gather of a completed block's
+source rows (V4's compress_store fuses it with the store, but V4.1 also needs the latent
+before RoPE for the indexer keys); the rest calls deepfuse ops.
 """
 from __future__ import annotations
 
