@@ -1,6 +1,6 @@
 """LLM("tiny-v4.1"): the engine runs the tiny V4.1 model (V41CacheManager, the V4.1 step,
 the Engram history per chunk) token for token as its full forward: batched requests, chunked
-prefill, prefix caching, preemption under a small cache, logprobs."""
+prefill, prefix caching, a small cache, the overlapped loop, logprobs."""
 import math
 
 import pytest
@@ -26,10 +26,12 @@ def _greedy_full(model, prompt, n):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=7), dict(enable_prefix_caching=True),
-                                dict(max_total_tokens=48, max_num_seqs=3)])
+                                dict(max_total_tokens=48, max_num_seqs=3),
+                                dict(overlap=True, max_num_batched_tokens=9, enable_prefix_caching=True)])
 def test_llm_tiny_v41_equals_full_forward(kw):
     llm = LLM("tiny-v4.1", max_model_len=128, **kw)
     assert isinstance(llm.engine.cache, V41CacheManager)
+    assert llm.engine.overlap == kw.get("overlap", False)
     g = torch.Generator().manual_seed(1)
     base = torch.randint(0, 129280, (14,), generator=g).tolist()
     prompts = [base[:3], base + [5, 6], base[:11], torch.randint(0, 129280, (20,), generator=g).tolist()]

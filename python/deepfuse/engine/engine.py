@@ -89,8 +89,8 @@ class Engine:
         such an engine runs without graphs, overlap and prefix caching."""
         if peers is not None:
             config = dataclasses.replace(config, overlap=False, enable_prefix_caching=False, cuda_graphs=False)
-        if hasattr(model.cfg, "kv_source_layers"):  # DeepSeek V4.1 (models/v41.py): eager steps, no overlap yet
-            config = dataclasses.replace(config, overlap=False, cuda_graphs=False)
+        if hasattr(model.cfg, "kv_source_layers"):  # DeepSeek V4.1 (models/v41.py): eager steps
+            config = dataclasses.replace(config, cuda_graphs=False)
         config.validate()
         self.model, self.config = model, config
         cfg = model.cfg

@@ -25,7 +25,10 @@ def engram_history(chunks: Sequence, token_map: np.ndarray, max_ngram: int) -> n
     out = np.full((len(chunks), H), NONE, dtype=np.int64)
     for b, ch in enumerate(chunks):
         a = max(0, ch.start - H)
-        toks = ch.req.tokens(a, ch.start)
-        if toks:
-            out[b, H - len(toks):] = token_map[np.asarray(toks, dtype=np.int64)]
+        toks = np.asarray(ch.req.tokens(a, ch.start), dtype=np.int64)
+        if (toks < 0).any():  # a token still on the device (overlap) is always a chunk's first input
+            raise ValueError(f"deepfuse: engram_history: request {ch.req.request_id} has an unsettled token before "
+                             f"position {ch.start}")
+        if len(toks):
+            out[b, H - len(toks):] = token_map[toks]
     return out
