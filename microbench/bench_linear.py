@@ -1,6 +1,7 @@
 """FP8 / MXFP4 block-scaled linears (ops.quant_linear) at V4-Flash projection shapes.
 
-python -m microbench.bench_linear --out DIR [--quick]
+python -m microbench.bench_linear --out DIR [--quick] [--proj wq_b ..] [--fmts fp8 mxfp4] [--M 1 8 ..]
+                                   [--no-ref]
 
 Per (projection, fmt, M): time of the op (activation cast included), weight bytes read per
 second and the fraction of the copy ceiling measured in this run, TFLOP/s, and the ratios to
@@ -22,13 +23,20 @@ SHAPES = {  # name: (N, K)
 
 
 def main(argv=None):
-    args, ctx = H.start(argv)
+    def extra(ap):
+        ap.add_argument("--proj", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+        ap.add_argument("--fmts", nargs="*", default=["fp8", "mxfp4"], choices=["fp8", "mxfp4"])
+        ap.add_argument("--M", nargs="*", type=int, default=None, help="rows (default: the grid)")
+        ap.add_argument("--no-ref", action="store_true", help="skip the reference and _scaled_mm timings")
+
+    args, ctx = H.start(argv, extra=extra)
     g = torch.Generator(device="cuda").manual_seed(0)
-    Ms = [1, 8, 64, 256, 4096] if args.quick else [1, 8, 32, 64, 128, 256, 1024, 4096]
+    Ms = args.M or ([1, 8, 64, 256, 4096] if args.quick else [1, 8, 32, 64, 128, 256, 1024, 4096])
     rows = []
-    for name, (N, K) in SHAPES.items():
+    for name in args.proj:
+        N, K = SHAPES[name]
         wf = torch.randn(N, K, device="cuda", generator=g) * K ** -0.5
-        for fmt in ("fp8", "mxfp4"):
+        for fmt in args.fmts:
             w, s = ops.fp8_block_cast(wf, (128, 128), scale_fmt="ue8m0") if fmt == "fp8" else ops.mxfp4_cast(wf)
             wbytes = w.numel() * w.element_size() + s.numel() * s.element_size()
             for M in Ms:
@@ -36,6 +44,10 @@ def main(argv=None):
                 t = H.time_fn(lambda: ops.quant_linear(x, w, s, fmt))
                 r = dict(proj=name, N=N, K=K, fmt=fmt, M=M, us=t.median_us, TBps=wbytes / t.s / 1e12,
                          frac_copy=wbytes / t.s / 1e12 / ctx.copy_tbps, TFLOPs=2 * M * N * K / t.s / 1e12)
+                if args.no_ref:
+                    rows.append(r)
+                    H.print_table([r], COLS)
+                    continue
                 tr = H.time_fn(lambda: L.quant_linear_ref(x, w, s, fmt), reps=10)
                 r["ref_us"], r["x_ref"] = tr.median_us, tr.median_us / t.median_us
                 if fmt == "fp8":

@@ -1,6 +1,7 @@
 """Fused MoE (ops.moe_experts, ops.moe_route) at V4-Flash and V4-Pro shapes on the GPU.
 
-python -m microbench.bench_moe --out DIR [--quick] [--profile]
+python -m microbench.bench_moe --out DIR [--quick] [--profile] [--models flash pro] [--T 1 8 ..]
+                                [--fmts fp8 mxfp4] [--no-baselines]
 
 Per (model, weight format, T tokens): time of route + experts (`us`, the router's fp32 logits
 GEMM included), the touched expert weights (routed experts the routing hits + the shared
@@ -114,14 +115,14 @@ class Baseline:
         return out.to(x.dtype)
 
 
-def run_model(name, fmts, Ts, ctx, peak, g, rows, profile):
+def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True):
     p = MODELS[name]
     E, d, I, k = p["E"], p["d"], p["I"], p["k"]
     gate = torch.randn(E, d, device="cuda", generator=g) * d ** -0.5
     bias = torch.randn(E, device="cuda", generator=g) * 0.01
     sh = shared_expert(I, d, g)
     base = {}
-    if name == "flash":
+    if name == "flash" and baselines:
         base = {"bf16": Baseline(E, I, d, g, False)}
         try:
             b8 = Baseline(E, I, d, g, True)
@@ -181,6 +182,8 @@ def main(argv=None):
         ap.add_argument("--profile", action="store_true", help="kernel times at T = 1 and 4096")
         ap.add_argument("--models", nargs="*", default=["flash", "pro"])
         ap.add_argument("--T", nargs="*", type=int, default=None, help="token counts (default: the grid)")
+        ap.add_argument("--fmts", nargs="*", default=["fp8", "mxfp4"], choices=["fp8", "mxfp4"])
+        ap.add_argument("--no-baselines", action="store_true", help="skip the torch pipelines")
 
     args, ctx = H.start(argv, extra=extra)
     peak = fp8_peak_tflops()
@@ -191,7 +194,7 @@ def main(argv=None):
     grid = {"flash": [1, 8, 64, 4096] if args.quick else [1, 8, 32, 64, 128, 512, 4096, 16384],
             "pro": [1, 64, 4096] if args.quick else [1, 8, 64, 128, 4096, 16384]}
     for name in args.models:
-        run_model(name, ["fp8", "mxfp4"], args.T or grid[name], ctx, peak, g, rows, args.profile)
+        run_model(name, args.fmts, args.T or grid[name], ctx, peak, g, rows, args.profile, not args.no_baselines)
         torch.cuda.empty_cache()
     print()
     H.print_table(rows, COLS)
