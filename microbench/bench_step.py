@@ -203,15 +203,25 @@ def main(argv=None) -> int:
             fl = floor_bytes(model, B, ctx)
             row = {"B": B, "context": ctx, "step_ms": step * 1e3, "floor_MB": fl / 1e6,
                    "graph_capture_s": eng.graph_capture_s}
-            if a.spec and eng.runner.graphs is not None:  # verify vs plain decode: the graphs' replay times
+            if a.spec and eng.runner.graphs is not None:  # the speculative step's graphs against a plain decode
                 gr = eng.runner.graphs
                 bucket = next(b for b in gr.buckets if b >= B)
                 for T, name in ((1, "decode_replay_ms"), (a.spec + 1, "verify_replay_ms")):
                     g_ = gr.graphs.get((bucket, T))
                     if g_ is not None and g_.graph is not None:
                         row[name] = replay_ms(g_.graph)
+                        if T > 1 and g_.mtp is not None and g_.mtp[0] is not None:
+                            row["mtp_replay_ms"] = replay_ms(g_.mtp[0])  # the teacher-forced MTP pass
+                ch = gr.chains.get(bucket)
+                if ch is not None and ch.graph is not None:
+                    row["chain_replay_ms"] = replay_ms(ch.graph)      # one chained draft step
                 if "decode_replay_ms" in row and "verify_replay_ms" in row:
                     row["verify_x_decode"] = row["verify_replay_ms"] / row["decode_replay_ms"]
+                    if "mtp_replay_ms" in row and "chain_replay_ms" in row:
+                        # drafts + verify in replays only (goal <= 1.6x at B <= 8); step_x_decode: measured step
+                        row["spec_replays_x_decode"] = (row["verify_replay_ms"] + row["mtp_replay_ms"] + (a.spec - 1)
+                                                        * row["chain_replay_ms"]) / row["decode_replay_ms"]
+                        row["step_x_decode"] = step * 1e3 / row["decode_replay_ms"]
             if a.spec:  # tokens each request emits per step, over the timed steps
                 st = eng.stats()["spec"]
                 rows_v = st["verify_steps"] - spec0["verify_steps"]

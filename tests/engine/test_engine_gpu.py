@@ -63,3 +63,17 @@ def test_gpu_overlap_and_speculation_match_plain(k):
     plain = LLM(gpu, max_total_tokens=3000, overlap=False).generate(prompts, sp)
     other = LLM(gpu, max_total_tokens=3000, num_speculative_tokens=k, max_num_batched_tokens=64).generate(prompts, sp)
     assert [o.token_ids for o in plain] == [o.token_ids for o in other]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_gpu_graphs_overlap_speculation_constraints_match_plain(k, temperature):
+    """fp32 on the GPU: captured graphs (target, MTP pass, chained drafts), overlap and
+    constraints, every combination, give the plain loop's tokens, logprobs and endings."""
+    from test_graphs import _matrix_run
+
+    m = models.tiny.load(device="cuda")
+    for constrained in (False, True):
+        ref = _matrix_run(m, k, False, False, constrained, temperature)
+        for graphs, overlap in ((True, False), (False, True), (True, True)):
+            assert _matrix_run(m, k, graphs, overlap, constrained, temperature) == ref, (graphs, overlap, constrained)

@@ -10,7 +10,7 @@ from deepfuse import models
 from deepfuse.engine import LLM, SamplingParams
 from deepfuse.engine.context import Padding, host_context
 
-from test_engine import prompts_for
+from test_engine import assert_cache_empty, prompts_for
 
 LENS = [1, 5, 17, 40, 130, 3]
 
@@ -90,5 +90,79 @@ def test_cuda_graphs_emit_what_eager_steps_emit(k):
     llm, out = _run(m, True, prompts, ps, **kw)
     g = llm.engine.runner.graphs
     assert g.capture and all(x.graph is not None for x in g.graphs.values())
-    print(f"tiny bf16, k={k}: {len(g.graphs)} graphs captured in {g.capture_s:.2f} s")
+    if k:  # the speculative step's MTP pass per (bucket, T) and its chained draft step per bucket
+        assert all(x.mtp is not None and x.mtp[0] is not None for x in g.graphs.values())
+        assert set(g.chains) == set(g.buckets) and all(c.graph is not None for c in g.chains.values())
+    print(f"tiny bf16, k={k}: {len(g.graphs)} graphs (+ {len(g.chains)} chain graphs) captured in {g.capture_s:.2f} s")
     assert out == ref
+
+
+class NoThirds:
+    """A token constraint that forbids ids = 1 (mod 3) and never ends (so a constrained
+    request's tokens differ from its free ones and the masks matter)."""
+
+    def __init__(self):
+        self.accepted = []
+
+    def fill_next_token_bitmask(self, mask, row):
+        V = mask.shape[1] * 32
+        allowed = torch.ones(V, dtype=torch.bool)
+        allowed[1::3] = False
+        bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32)
+        mask[row] = bits.sum(1).to(torch.int64).sub(torch.where(bits.sum(1) >= 2 ** 31, 2 ** 32, 0)).to(torch.int32)
+
+    def accept_token(self, tok):
+        self.accepted.append(tok)
+        return tok % 3 != 1
+
+    def is_terminated(self):
+        return False
+
+
+def _matrix_run(model, k, graphs, overlap, constrained, temperature):
+    prompts = prompts_for([1, 17, 130, 5], model.cfg.vocab_size, seed=23)
+    llm = LLM(model, max_num_seqs=3, max_num_batched_tokens=37, max_total_tokens=1500, cuda_graphs=graphs,
+              overlap=overlap, num_speculative_tokens=k)
+    eng = llm.engine
+    if graphs:
+        eng.runner.graphs.buckets = (2, 3)  # one request runs padded to two
+    cons = {}
+    for i, p in enumerate(prompts):
+        c = NoThirds() if constrained and i % 2 else None
+        cons[f"r{i}"] = c
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=3 + (5 * i) % 7, ignore_eos=True, temperature=temperature,
+                                                   top_k=30, seed=100 + i, logprobs=1 if i == 2 else None),
+                        constraint=c)
+    got = {}
+    steps = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            t, lp, _ = got.setdefault(o.request_id, ([], [], None))
+            t += o.token_ids
+            lp += [round(x, 4) for x in o.logprobs or []]
+            if o.finished:
+                got[o.request_id] = (t, lp, o.finish_reason)
+        steps += 1
+        assert steps < 500
+    for rid, c in cons.items():
+        if c is not None:
+            assert got[rid][0] == c.accepted and all(t % 3 != 1 for t in c.accepted)
+    if k and not constrained:
+        assert eng.stats()["spec"]["verify_steps"] > 0
+    assert_cache_empty(eng)
+    return got
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_graphs_overlap_speculation_constraints_match_the_plain_loop(tiny, k, temperature):
+    """Every combination of padded graph steps, overlap and token constraints emits, per
+    request, the tokens, logprobs and finish reasons of the plain loop (no graphs, no
+    overlap) with the same k; greedy requests also those of k = 0 (acceptance is exact)."""
+    for constrained in (False, True):
+        ref = _matrix_run(tiny, k, False, False, constrained, temperature)
+        if temperature == 0.0 and k:
+            assert ref == _matrix_run(tiny, 0, False, False, constrained, temperature)
+        for graphs, overlap in ((True, False), (False, True), (True, True)):
+            assert _matrix_run(tiny, k, graphs, overlap, constrained, temperature) == ref, (graphs, overlap,
+                                                                                           constrained)

@@ -110,9 +110,11 @@ def live_state(eng, rid: str) -> dict:
     return out, n
 
 
-def test_rejected_drafts_leave_no_trace(tiny):
+@pytest.mark.parametrize("graphs,overlap", [(False, False), (True, True)], ids=["plain", "graphs+overlap"])
+def test_rejected_drafts_leave_no_trace(tiny, graphs, overlap):
     """After verify steps with rejections, every live cache row equals that of a run that
-    decoded only the accepted tokens."""
+    decoded only the accepted tokens (also with padded graph steps and overlap, whose
+    step in flight is settled first)."""
     p = prompts_for([150], tiny.cfg.vocab_size, seed=21)[0]
     ref = LLM(tiny, max_total_tokens=2000).generate([p], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
     V = tiny.cfg.vocab_size
@@ -122,11 +124,16 @@ def test_rejected_drafts_leave_no_trace(tiny):
         true = (ref[gen:gen + len(proposed)] + proposed)[:len(proposed)]
         return [t if j < 2 else (t + 1) % V for j, t in enumerate(true)]
 
-    spec = LLM(tiny, max_total_tokens=2000, num_speculative_tokens=4).engine
+    spec = LLM(tiny, max_total_tokens=2000, num_speculative_tokens=4, cuda_graphs=graphs, overlap=overlap).engine
     spec.spec.force_drafts = hook
     spec.add_request("x", p, SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(8):
         spec.step()
+    if spec._inflight is not None:
+        f, spec._inflight = spec._inflight, None
+        spec._settle(f)
+    if graphs:
+        assert any(T == 5 for _, T in spec.runner.graphs.graphs) and spec.runner.graphs.chains
     got, n = live_state(spec, "x")
     assert n > len(p) + 10 and spec.stats()["spec"]["acceptance_per_position"][2] == 0.0
     plain = LLM(tiny, max_total_tokens=2000).engine
