@@ -83,7 +83,7 @@ def start_requests(eng, B: int, context: int, g) -> None:
     V = eng.vocab_size
     for i in range(B):
         eng.add_request(f"s{i}", torch.randint(0, V, (context,), generator=g, device="cpu").tolist(),
-                        SamplingParams(max_tokens=64, ignore_eos=True))
+                        SamplingParams(max_tokens=120, ignore_eos=True))
     sch, cache = eng.scheduler, eng.cache
     while sch.waiting:
         req = sch.waiting.popleft()
@@ -160,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
     ap.add_argument("--spec", type=int, default=0, help="MTP drafts per step (speculative decoding)")
     ap.add_argument("--acc", type=float, default=None, help="simulated mean accepted length (with --spec)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also run unsynchronised overlapped steps and report the GPU idle fraction between them")
     ap.add_argument("--reference", action="store_true",
                     help="every model-graph op through its torch reference (the eager baseline)")
     a = ap.parse_args(argv)
@@ -231,6 +233,19 @@ def main(argv=None) -> int:
             if copy:
                 row["floor_ms"] = fl / copy * 1e3
                 row["x_floor"] = step / (fl / copy)
+            if a.overlap and dev.type == "cuda":  # GPU idle between steps of the overlapped loop
+                eng.overlap, eng.gpu_events = True, []
+                for _ in range(2 * a.steps):
+                    eng.step()
+                _sync(dev)
+                ev = eng.gpu_events
+                gaps = [max(0.0, x[1].elapsed_time(y[0])) for x, y in zip(ev, ev[1:])]
+                busy = [s_.elapsed_time(e_) for s_, e_ in ev[1:]]
+                row["gpu_idle_frac"] = sum(gaps) / max(sum(gaps) + sum(busy), 1e-9)
+                eng.gpu_events = None
+                while eng._inflight is not None:  # settle the step in flight: the profile below runs the plain loop
+                    eng.overlap = False
+                    eng.step()
             row["top_ops"] = step_profile(eng, dev)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "top_ops"})
             print("   largest:", ", ".join(f"{r['op']} {r['ms']:.2f} ms" for r in row["top_ops"][:5]))
@@ -244,7 +259,7 @@ def main(argv=None) -> int:
             "copy_tbps": copy / 1e12 if copy else None}
     meta["path"] = "reference" if a.reference else "kernels"
     meta["graphs"] = not (a.no_graphs or a.reference)
-    meta["spec"], meta["acc"] = a.spec, a.acc
+    meta["spec"], meta["acc"], meta["overlap"] = a.spec, a.acc, a.overlap
     name = "step_reference" if a.reference else "step_eager" if a.no_graphs else "step"
     if a.spec:
         name += f"_spec{a.spec}_acc{a.acc}"
