@@ -61,6 +61,19 @@ def generate(model, prompts, new_tokens, chunk, seed, kv_dtype="auto"):
     return [q.tokens(0, q.num_tokens) for q in reqs], rows, reqs
 
 
+def one_step(model, cache, req, rc, start, n):
+    """Tokens start .. start + n of req (cache rc) as a one-chunk engine step -> its last row's logits."""
+    ch = ScheduledChunk(req, start, n)
+    cache.grow(rc, start + n)
+    cache.flush()
+    ctx = build_context(np.asarray(req.tokens(start, start + n), np.int64), np.array([start]), np.array([n]),
+                        np.array([rc.slot]), np.array([1]), cache.geometry, cache.block_tables, "cpu",
+                        cache.host_block_tables)
+    tm = model.engram_hasher.token_map.numpy()
+    ctx.engram_history = torch.from_numpy(engram_history([ch], tm, model.cfg.engram_max_ngram_size))
+    return model.forward_step(ctx, cache)[0]
+
+
 @pytest.mark.parametrize("seed,chunk", [(0, 1), (1, 5), (2, 40)])
 def test_step_equals_full_forward(model, seed, chunk):
     g = torch.Generator().manual_seed(seed)
@@ -103,29 +116,18 @@ def test_recompute_after_preemption(model):
     seq = torch.randint(0, 129280, (23,), generator=g).tolist()
     cache = V41CacheManager(cfg, model_dtype=model.dtype, device="cpu", max_num_seqs=3, max_num_batched_tokens=512,
                             max_total_tokens=4096, max_model_len=256, page_size=16)
-    tm = model.engram_hasher.token_map.numpy()
     full = model(torch.tensor([seq]))[0]
-
-    def step(req, rc, start, n):
-        ch = ScheduledChunk(req, start, n)
-        cache.grow(rc, start + n)
-        cache.flush()
-        ctx = build_context(np.asarray(req.tokens(start, start + n), np.int64), np.array([start]), np.array([n]),
-                            np.array([rc.slot]), np.array([1]), cache.geometry, cache.block_tables, "cpu",
-                            cache.host_block_tables)
-        ctx.engram_history = torch.from_numpy(engram_history([ch], tm, cfg.engram_max_ngram_size))
-        return model.forward_step(ctx, cache)[0]
 
     req = Request("a", seq, SamplingParams(), 0, 0)
     other = cache.admit()  # a neighbour holding slot and pages, so the recompute lands elsewhere
     cache.grow(other, 40)
     rc = cache.admit()
     for a, b in ((0, 9), (9, 17)):
-        torch.testing.assert_close(step(req, rc, a, b - a), full[b - 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(one_step(model, cache, req, rc, a, b - a), full[b - 1], rtol=1e-4, atol=1e-4)
     cache.release(rc)
     rc2 = cache.admit()
     for a, b in ((0, 13), (13, 20), (20, 21), (21, 23)):
-        torch.testing.assert_close(step(req, rc2, a, b - a), full[b - 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(one_step(model, cache, req, rc2, a, b - a), full[b - 1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("n", [8, 13, 17])
@@ -139,24 +141,13 @@ def test_prefix_snapshot_restore(model, n):
     b = a[:n] + torch.randint(0, 129280, (9,), generator=g).tolist()
     cache = V41CacheManager(cfg, model_dtype=model.dtype, device="cpu", max_num_seqs=3, max_num_batched_tokens=512,
                             max_total_tokens=4096, max_model_len=256, page_size=16, num_saved_prefixes=2)
-    tm = model.engram_hasher.token_map.numpy()
-
-    def step(req, rc, start, cnt):
-        ch = ScheduledChunk(req, start, cnt)
-        cache.grow(rc, start + cnt)
-        cache.flush()
-        ctx = build_context(np.asarray(req.tokens(start, start + cnt), np.int64), np.array([start]), np.array([cnt]),
-                            np.array([rc.slot]), np.array([1]), cache.geometry, cache.block_tables, "cpu",
-                            cache.host_block_tables)
-        ctx.engram_history = torch.from_numpy(engram_history([ch], tm, cfg.engram_max_ngram_size))
-        return model.forward_step(ctx, cache)[0]
 
     ra = Request("a", a, SamplingParams(), 0, 0)
     rca = cache.admit()
-    step(ra, rca, 0, 5)
-    step(ra, rca, 5, n - 5)
+    one_step(model, cache, ra, rca, 0, 5)
+    one_step(model, cache, ra, rca, 5, n - 5)
     snap = cache.snapshot(rca, n)
-    step(ra, rca, n, len(a) - n)  # a goes on writing its own pages past the prefix
+    one_step(model, cache, ra, rca, n, len(a) - n)  # a goes on writing its own pages past the prefix
     cache.release(rca)
     rb = Request("b", b, SamplingParams(), 0, 1)
     rcb = cache.admit()
@@ -164,6 +155,6 @@ def test_prefix_snapshot_restore(model, n):
     full = model(torch.tensor([b]))[0]
     pos = n
     for cnt in (1, 3, len(b) - n - 4):
-        torch.testing.assert_close(step(rb, rcb, pos, cnt), full[pos + cnt - 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(one_step(model, cache, rb, rcb, pos, cnt), full[pos + cnt - 1], rtol=1e-4, atol=1e-4)
         pos += cnt
     cache.drop_snapshot(snap)

@@ -71,21 +71,8 @@ class CacheManager:
                  max_num_batched_tokens: int = 8192, max_total_tokens: int = 65536, max_model_len: int = 65536,
                  page_size: int = 64, num_draft_tokens: int = 0, num_mtp_layers: int = 0,
                  num_saved_prefixes: int = 0):
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"deepfuse: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-        self.cfg, self.device = cfg, torch.device(device)
-        self.fp8 = kv_dtype == "fp8"
-        self.kv_dtype = kv_dtype
-        self.dtype = model_dtype if kv_dtype == "auto" else torch.bfloat16
-        D, Di = cfg.head_dim, cfg.index_head_dim
-        if self.fp8 and (D != F.KV_DIM or Di != F.IDX_DIM):
-            raise ValueError(f"deepfuse: kv_dtype 'fp8' stores V4's {F.KV_DIM}-dim KV rows and {F.IDX_DIM}-dim indexer "
-                             f"keys; this model has head_dim {D}, index_head_dim {Di} (use 'auto' or 'bf16')")
-        if page_size < F.PAGE_ALIGN_ROWS or page_size % F.PAGE_ALIGN_ROWS:
-            raise ValueError(f"deepfuse: page_size must be a positive multiple of 16, got {page_size}")
-        S = self.num_slots = max_num_seqs
-        self.max_total_tokens = max_total_tokens
-        self.page_size = ps = page_size
+        self._init_settings(cfg, model_dtype, device, kv_dtype, max_num_seqs, max_total_tokens, page_size)
+        S, ps, D, Di = max_num_seqs, page_size, cfg.head_dim, cfg.index_head_dim
         W = cfg.sliding_window
         extra = max(num_draft_tokens - 1, 0)  # rejected drafts must not overwrite live ring rows
         Wr = W + extra
@@ -100,13 +87,7 @@ class CacheManager:
             if r and (r, t == "compressed_sparse_attention") not in schedules:
                 schedules.append((r, t == "compressed_sparse_attention"))
         self.geometry = CacheGeometry(W, Wr, Wp, S * Wp, tuple(schedules), ps, extra)
-        dev = self.device
-        L = len(types)
-        # ring pages: request slots, scratch, saved prefix windows, trash
-        self.num_saved = num_saved_prefixes
-        self.saved_base = S + scratch
-        self.ring = self._kv_pool(L, S + scratch + num_saved_prefixes + 1, Wp, D)
-        self._saved_free = list(range(num_saved_prefixes - 1, -1, -1))
+        self._init_ring(len(types), Wp, scratch, num_saved_prefixes)
         self.state_rows: dict[int, tuple[int, int]] = {}  # ratio -> (ring rows Rs, live rows R0)
         # compressed pools per ratio: layers of that ratio, pages sized from the token budget
         self.pools: dict[int, PageAllocator] = {}
@@ -123,12 +104,7 @@ class CacheManager:
             counts[r] = counts.get(r, 0) + 1
         for r, overlap in schedules:
             n = counts[r]
-            P = self._pool_pages(max_total_tokens, r)
-            self.pools[r] = PageAllocator(P)
-            self.comp[r] = self._kv_pool(n, P + 1, ps, D)
-            maxp = max(1, -(-(max_model_len // r) // ps))
-            self.block_tables[r] = torch.zeros(S, maxp, dtype=torch.int64, device=dev)
-            self.host_block_tables[r] = np.zeros((S, maxp), dtype=np.int64)
+            P = self._add_pool(r, n, max_model_len)
             R0 = 2 * r if overlap else r
             R = R0 + extra
             self.state_rows[r] = (R, R0)
@@ -139,7 +115,49 @@ class CacheManager:
                 self.index = self._index_pool(n, P + 1, ps, Di)
                 self.index_ratio = r
                 self.states[(r, "index")] = self._state(n, rows, coff * Di)
-        self._slots = list(range(S - 1, -1, -1))
+        self._init_requests()
+
+    def _init_settings(self, cfg, model_dtype: torch.dtype, device, kv_dtype: str, max_num_seqs: int,
+                       max_total_tokens: int, page_size: int) -> None:
+        """The checked settings every cache layout keeps: row format and dtype, slots, budget, page size."""
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"deepfuse: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        self.cfg, self.device = cfg, torch.device(device)
+        self.fp8 = kv_dtype == "fp8"
+        self.kv_dtype = kv_dtype
+        self.dtype = model_dtype if kv_dtype == "auto" else torch.bfloat16
+        D, Di = cfg.head_dim, cfg.index_head_dim
+        if self.fp8 and (D != F.KV_DIM or Di != F.IDX_DIM):
+            raise ValueError(f"deepfuse: kv_dtype 'fp8' stores V4's {F.KV_DIM}-dim KV rows and {F.IDX_DIM}-dim indexer "
+                             f"keys; this model has head_dim {D}, index_head_dim {Di} (use 'auto' or 'bf16')")
+        if page_size < F.PAGE_ALIGN_ROWS or page_size % F.PAGE_ALIGN_ROWS:
+            raise ValueError(f"deepfuse: page_size must be a positive multiple of 16, got {page_size}")
+        self.num_slots = max_num_seqs
+        self.max_total_tokens = max_total_tokens
+        self.page_size = page_size
+
+    def _init_ring(self, L: int, Wp: int, scratch: int, num_saved: int) -> None:
+        """The window rings of L layers, Wp rows a page: request slots, scratch, saved prefix windows, trash."""
+        self.num_saved = num_saved
+        self.saved_base = self.num_slots + scratch
+        self.ring = self._kv_pool(L, self.num_slots + scratch + num_saved + 1, Wp, self.cfg.head_dim)
+        self._saved_free = list(range(num_saved - 1, -1, -1))
+
+    def _add_pool(self, r: int, n: int, max_model_len: int) -> int:
+        """Ratio r's page pool, compressed rows of its n layers and block tables -> its pages P
+        (the trash page P not counted)."""
+        S, ps = self.num_slots, self.page_size
+        P = self._pool_pages(self.max_total_tokens, r)
+        self.pools[r] = PageAllocator(P)
+        self.comp[r] = self._kv_pool(n, P + 1, ps, self.cfg.head_dim)
+        maxp = max(1, -(-(max_model_len // r) // ps))
+        self.block_tables[r] = torch.zeros(S, maxp, dtype=torch.int64, device=self.device)
+        self.host_block_tables[r] = np.zeros((S, maxp), dtype=np.int64)
+        return P
+
+    def _init_requests(self) -> None:
+        """No request yet: every slot free, no pending block-table entry, no token reserved."""
+        self._slots = list(range(self.num_slots - 1, -1, -1))
         self._pending: list[tuple[int, int, int, int]] = []  # (ratio, slot, column, page)
         self.journal: Optional[list] = None  # a list: flush() also appends the entries it writes (tensor parallel)
         self.used_tokens = 0

@@ -11,16 +11,12 @@ compressed rows and keys. Not built yet: draft-layer rings (DSpark).
 """
 from __future__ import annotations
 
-from typing import Optional
-
-import numpy as np
 import torch
 
 from deepfuse import kv_format as F
 from deepfuse.step import LayerCacheView
 
-from .allocator import PageAllocator
-from .cache import KV_DTYPES, CacheLayout, CacheManager
+from .cache import CacheLayout, CacheManager
 from .context import CacheGeometry
 
 
@@ -29,23 +25,10 @@ class V41CacheManager(CacheManager):
                  max_num_batched_tokens: int = 8192, max_total_tokens: int = 65536, max_model_len: int = 65536,
                  page_size: int = 64, num_draft_tokens: int = 0, num_mtp_layers: int = 0,
                  num_saved_prefixes: int = 0):
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"deepfuse: kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         if num_mtp_layers or num_draft_tokens:
             raise ValueError("deepfuse: the V4.1 cache has no draft layers (DSpark) yet")
-        self.cfg, self.device = cfg, torch.device(device)
-        self.fp8 = kv_dtype == "fp8"
-        self.kv_dtype = kv_dtype
-        self.dtype = model_dtype if kv_dtype == "auto" else torch.bfloat16
-        D, Di = cfg.head_dim, cfg.index_head_dim
-        if self.fp8 and (D != F.KV_DIM or Di != F.IDX_DIM):
-            raise ValueError(f"deepfuse: kv_dtype 'fp8' stores {F.KV_DIM}-dim KV rows and {F.IDX_DIM}-dim indexer "
-                             f"keys; this model has head_dim {D}, index_head_dim {Di} (use 'auto' or 'bf16')")
-        if page_size < F.PAGE_ALIGN_ROWS or page_size % F.PAGE_ALIGN_ROWS:
-            raise ValueError(f"deepfuse: page_size must be a positive multiple of 16, got {page_size}")
-        S = self.num_slots = max_num_seqs
-        self.max_total_tokens = max_total_tokens
-        self.page_size = ps = page_size
+        self._init_settings(cfg, model_dtype, device, kv_dtype, max_num_seqs, max_total_tokens, page_size)
+        S, ps, D, Di = max_num_seqs, page_size, cfg.head_dim, cfg.index_head_dim
         W = cfg.sliding_window
         Wp = F.round_up(W, F.PAGE_ALIGN_ROWS)
         scratch = -(-max_num_batched_tokens // Wp)
@@ -54,32 +37,19 @@ class V41CacheManager(CacheManager):
         sources = list(cfg.kv_source_layers)
         ratios = sorted({cfg.ratios[j] for j in sources}, reverse=True)
         self.geometry = CacheGeometry(W, W, Wp, S * Wp, tuple((r, False) for r in ratios), ps, 0)
-        self.num_saved = num_saved_prefixes
-        self.saved_base = S + scratch
-        self.ring = self._kv_pool(L, S + scratch + num_saved_prefixes + 1, Wp, D)
-        self._saved_free = list(range(num_saved_prefixes - 1, -1, -1))
+        self._init_ring(L, Wp, scratch, num_saved_prefixes)
         self.source_pos = {j: [s for s in sources if cfg.ratios[s] == cfg.ratios[j]].index(j) for j in sources}
         self.state_rows, self.pools, self.comp, self.keys, self.states = {}, {}, {}, {}, {}
         self.block_tables, self.host_block_tables = {}, {}
         self.index, self.index_ratio = None, 0
         for r in ratios:
             n = sum(cfg.ratios[j] == r for j in sources)
-            P = self._pool_pages(max_total_tokens, r)
-            self.pools[r] = PageAllocator(P)
-            self.comp[r] = self._kv_pool(n, P + 1, ps, D)
+            P = self._add_pool(r, n, max_model_len)
             self.keys[r] = self._index_pool(n, P + 1, ps, Di)
-            maxp = max(1, -(-(max_model_len // r) // ps))
-            self.block_tables[r] = torch.zeros(S, maxp, dtype=torch.int64, device=self.device)
-            self.host_block_tables[r] = np.zeros((S, maxp), dtype=np.int64)
             self.state_rows[r] = (r, r)
             self.states[(r, "attn")] = self._state(n, S * r + num_saved_prefixes * r + 1, D)
         self.layer_pos = [self.source_pos.get(cfg.kv_source_for(i), 0) for i in range(L)]
-        self._slots = list(range(S - 1, -1, -1))
-        self._pending: list[tuple[int, int, int, int]] = []
-        self.journal: Optional[list] = None
-        self.used_tokens = 0
-        self.peak_used_tokens = 0
-        self.evict = None
+        self._init_requests()
 
     def nbytes(self) -> int:
         ts = [self.ring, *self.comp.values(), *self.keys.values(), *(s for pair in self.states.values() for s in pair)]

@@ -39,14 +39,15 @@ from .norm import RMSNorm
 from .rope import RopeTable
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: V4Config, layer_type: str):
+class AttentionProjections(nn.Module):
+    """The projections V4 and V4.1 attention share (official names wq_a, q_norm, wq_b, wkv,
+    kv_norm, wo_a, wo_b, attn_sink) and the grouped output projection."""
+
+    def __init__(self, cfg: V4Config):
         super().__init__()
-        self.cfg, self.layer_type = cfg, layer_type
         d, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         self.n_heads, self.head_dim, self.window = H, D, cfg.sliding_window
         self.o_groups = cfg.o_groups  # this rank's heads and output groups (models/parallel.py shards both)
-        self.ratio = cfg.compress_ratio(layer_type)
         self.wq_a = Linear(d, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = Linear(cfg.q_lora_rank, H * D)
@@ -55,7 +56,19 @@ class Attention(nn.Module):
         self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
         self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d)
         add_slot(self, "attn_sink", (H,), "fp32")
-        self.compressor = Compressor(cfg, self.ratio, D, overlap=layer_type == CSA) if self.ratio else None
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        G, H, D = self.o_groups, self.n_heads, self.head_dim
+        o = ops.grouped_linear(o.reshape(*o.shape[:-2], G, H * D // G), self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt)
+        return self.wo_b(o.flatten(-2))
+
+
+class Attention(AttentionProjections):
+    def __init__(self, cfg: V4Config, layer_type: str):
+        super().__init__(cfg)
+        self.cfg, self.layer_type = cfg, layer_type
+        self.ratio = cfg.compress_ratio(layer_type)
+        self.compressor = Compressor(cfg, self.ratio, self.head_dim, overlap=layer_type == CSA) if self.ratio else None
         self.indexer = Indexer(cfg, self.ratio) if layer_type == CSA else None
 
     @property
@@ -67,11 +80,6 @@ class Attention(nn.Module):
         q = ops.norm_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), None, self.cfg.rms_norm_eps,
                           cos, sin)
         return qr, q
-
-    def _out(self, o: torch.Tensor) -> torch.Tensor:
-        G, H, D = self.o_groups, self.n_heads, self.head_dim
-        o = ops.grouped_linear(o.reshape(*o.shape[:-2], G, H * D // G), self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt)
-        return self.wo_b(o.flatten(-2))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """x [B, T, d] (already attn_norm-ed) at positions 0 .. T-1 -> [B, T, d]."""

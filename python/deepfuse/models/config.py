@@ -235,6 +235,7 @@ class V4Config:
 
     @classmethod
     def from_json(cls, path) -> "V4Config":
+        """cls.from_dict of a config.json file (or of the config.json in a folder)."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"

@@ -236,6 +236,11 @@ class _Loader:
             return (w.float() * s).to(self.device).to(dense_dtype or self.dtype), None, "dense"
         if tuple(s.shape) != grid:
             raise self.shape_error(sk, f"{list(grid)} (scales of the {fmt} weight {wk})", list(s.shape))
+        return self._placed(w, s, fmt, dense_dtype)
+
+    def _placed(self, w: torch.Tensor, s: torch.Tensor, fmt: str, dense_dtype):
+        """A quantised weight and its scales (as read) on the device -> (weight, scale, fmt),
+        or (dense weight, None, "dense") when the loader dequantises."""
         w = w.to(self.device)
         w = w.view(torch.uint8) if fmt == "mxfp4" else w
         s = _scale(s.to(self.device))
@@ -285,12 +290,7 @@ class _Loader:
             w = self.r.get(wk, (dim, a // p, b // p))
             s = self.r.get(sk, (dim, u0, u1))
             self.tick()
-            w = w.to(self.device)
-            w = w.view(torch.uint8) if fmt == "mxfp4" else w
-            s = _scale(s.to(self.device))
-            if self.dequantize:
-                return dequant_weight(w, s, fmt, dense_dtype), None, "dense"
-            return w, s, fmt
+            return self._placed(w, s, fmt, dense_dtype)
         # the slice cuts a scale block (or is padded): dequantise the blocks it touches
         lo, hi = u0 * u, min(u1 * u, n_g)
         w = self.r.get(wk, (dim, lo // p, hi // p))

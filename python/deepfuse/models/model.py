@@ -31,23 +31,17 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class V4Model(nn.Module):
+class ModelBase(nn.Module):
+    """What the V4 and V4.1 models share: the validated config, the RoPE tables (main and
+    compress), the activation dtype, the device and the check of input ids."""
+
     def __init__(self, cfg: V4Config):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        d = cfg.hidden_size
-        self.embed = Embedding(cfg.vocab_size, d)
-        self.layers = nn.ModuleList(
-            Block(cfg, cfg.layer_types[i], cfg.is_hash_layer(i)) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.head = Linear(d, cfg.vocab_size)
-        mhc.add_head_slots(self, cfg)
-        self.mtp = nn.ModuleList(MTPLayer(cfg, t) for t in cfg.mtp_layer_types)
         self.ropes = {"main": RopeTable(cfg.rope_main, cfg.rope_head_dim),
                       "compress": RopeTable(cfg.rope_compress, cfg.rope_head_dim)}
         self.dtype = torch.float32  # activation dtype, set by the loader
-        self.allow_reference = None  # ops run as torch references on CUDA knowingly (models/references.py)
 
     @property
     def device(self) -> torch.device:
@@ -60,6 +54,20 @@ class V4Model(nn.Module):
             raise ValueError(f"deepfuse: input_ids must be an int64/int32 tensor of shape {shape}")
         if input_ids.device != self.device:
             raise ValueError(f"deepfuse: input_ids is on {input_ids.device}, the model on {self.device}")
+
+
+class V4Model(ModelBase):
+    def __init__(self, cfg: V4Config):
+        super().__init__(cfg)
+        d = cfg.hidden_size
+        self.embed = Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(
+            Block(cfg, cfg.layer_types[i], cfg.is_hash_layer(i)) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = Linear(d, cfg.vocab_size)
+        mhc.add_head_slots(self, cfg)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, t) for t in cfg.mtp_layer_types)
+        self.allow_reference = None  # ops run as torch references on CUDA knowingly (models/references.py)
 
     @scoped(full=True)
     def forward(self, input_ids: torch.Tensor, *, return_streams: bool = False):

@@ -41,11 +41,11 @@ from deepfuse.ops import engram as E
 from deepfuse.ops.kvcache import store_rows
 
 from . import mhc
-from .attention import Attention
+from .attention import AttentionProjections
 from .config import CSA, HCA
 from .indexer import select_topk
 from .linear import META, Linear, add_slot
-from .model import Embedding
+from .model import Embedding, ModelBase
 from .moe import MoE
 from .norm import RMSNorm
 from .references import scoped
@@ -330,24 +330,13 @@ class V41Indexer(nn.Module):
 
 
 # ----------------------------------------------------------------------------- attention / block
-class V41Attention(nn.Module):
-    """V4's attention projections (official names wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b,
-    attn_sink) with V4.1's shared compressed rows; compressor on kv sources, indexer on index
-    sources."""
+class V41Attention(AttentionProjections):
+    """V4's attention projections with V4.1's shared compressed rows; compressor on kv sources,
+    indexer on index sources."""
 
     def __init__(self, cfg: V41Config, layer: int, ratio: int, backbone: bool = True):
-        super().__init__()
+        super().__init__(cfg)
         self.cfg, self.layer, self.ratio = cfg, layer, ratio
-        d, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-        self.n_heads, self.head_dim, self.window, self.o_groups = H, D, cfg.sliding_window, cfg.o_groups
-        self.wq_a = Linear(d, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = Linear(cfg.q_lora_rank, H * D)
-        self.wkv = Linear(d, D)
-        self.kv_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d)
-        add_slot(self, "attn_sink", (H,), "fp32")
         kv_src = backbone and layer in cfg.kv_source_layers
         ix_src = backbone and layer in cfg.index_source_layers
         self.compressor = V41Compressor(cfg, ratio) if kv_src else None
@@ -386,7 +375,7 @@ class V41Attention(nn.Module):
                 rows = torch.cat([rows, comp], dim=1)
                 idx = torch.cat([idx, torch.where(sel >= 0, sel + T, sel)], dim=-1)
         o = ops.sparse_attention(q, rows, idx, self.attn_sink, self.head_dim ** -0.5)
-        return Attention._out(self, ops.rope(o, cos, sin, inverse=True))
+        return self._out(ops.rope(o, cos, sin, inverse=True))
 
     def step(self, x: torch.Tensor, ctx, cache, rope: RopeTable, shared: dict) -> torch.Tensor:
         """One engine step: x [N, d] (attn_norm-ed) of the flat batch -> [N, d]. cache: this
@@ -410,7 +399,7 @@ class V41Attention(nn.Module):
         o, _ = ops.sparse_attention_paged(q, cache.ring, cache.ring_page_size, win.win_idx, self.attn_sink,
                                           self.head_dim ** -0.5, inv_rope=(cos, sin), **extra)
         cache.store_window(kv, win.ring_slots)
-        return Attention._out(self, o)
+        return self._out(o)
 
 
 class V41Block(nn.Module):
@@ -483,13 +472,11 @@ class DSparkLayer(V41Block):
                 self.confidence_head = ConfidenceHead(cfg)
 
 
-class V41Model(nn.Module):
+class V41Model(ModelBase):
     """Official names: embed, layers.<i>, norm, head, mtp.<i> (DSpark stages)."""
 
     def __init__(self, cfg: V41Config):
-        super().__init__()
-        cfg.validate()
-        self.cfg = cfg
+        super().__init__(cfg)
         d = cfg.hidden_size
         self.engram_hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None
         rows = dict(zip(cfg.engram_layer_ids, self.engram_hasher.rows)) if self.engram_hasher else {}
@@ -505,16 +492,9 @@ class V41Model(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.head = Linear(d, cfg.vocab_size)
         self.mtp = nn.ModuleList(DSparkLayer(cfg, s) for s in range(cfg.num_nextn_predict_layers))
-        self.ropes = {"main": RopeTable(cfg.rope_main, cfg.rope_head_dim),
-                      "compress": RopeTable(cfg.rope_compress, cfg.rope_head_dim)}
-        self.dtype = torch.float32
         # engram_* and the full-sequence ops have no CUDA kernels: on CUDA every op may run its
         # reference (warned once per op and counted, ops._fallback)
         self.allow_reference = True
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
 
     def set_token_map(self, token_map, size: int) -> None:
         if self.engram_hasher is not None:
@@ -527,11 +507,7 @@ class V41Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, return_streams: bool = False):
         """Full forward of sequences from position 0: input_ids [B, T] -> logits [B, T, vocab]
         (fp32); return_streams also returns the final streams [B, T, n, d]."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
-                                                                                                        torch.int32):
-            raise ValueError("deepfuse: input_ids must be an int64/int32 tensor of shape [B, T]")
-        if input_ids.device != self.device:
-            raise ValueError(f"deepfuse: input_ids is on {input_ids.device}, the model on {self.device}")
+        self._check_ids(input_ids)
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device)
         hashes = self.engram_hasher.hashes(input_ids) if self.engram_hasher is not None else None

@@ -24,9 +24,7 @@ the V4 layer_types it must carry map ratio 2 -> CSA and ratio 1 -> HCA with comp
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 from .config import CSA, HCA, SWA, ConfigError, RopeParams, V4Config, _rope_params
@@ -227,16 +225,6 @@ class V41Config(V4Config):
         c.rope_main = RopeParams(rope_theta)
         c.rope_compress = _rope_params({**(scaling or {}), "rope_theta": compress_theta}, compress_theta, "compress")
         return c.validate()
-
-    @classmethod
-    def from_json(cls, path) -> "V41Config":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"deepfuse: no config.json at {path}")
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
 
 
 def is_v41(d: dict) -> bool:

@@ -34,14 +34,14 @@ else NoKernelError.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from deepfuse.ops._checks import check_tensor
 from deepfuse.ops._fallback import need_reference
-from deepfuse.ops._registry import op
+from deepfuse.ops._registry import Op, op
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
@@ -149,6 +149,20 @@ def ngram_ids(cids: torch.Tensor, pad_id: int, max_ngram: int, history: Optional
     return torch.stack(cols, dim=-1)
 
 
+def _reference_op(name: str, ref: Callable, fake: Callable) -> Op:
+    """deepfuse::<name> whose CPU path is `ref` and whose CUDA path runs `ref` through
+    need_reference (no CUDA kernel yet); `fake` gives the output's shape."""
+    o = op(name)(ref)
+
+    @o.register_kernel("cuda")
+    def _(*args):
+        need_reference(name, "no CUDA kernel yet")
+        return ref(*args)
+
+    o.register_fake(fake)
+    return o
+
+
 # ----------------------------------------------------------------------------- engram_hash
 def engram_hash_ref(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
                     offsets: torch.Tensor) -> torch.Tensor:
@@ -164,21 +178,11 @@ def engram_hash_ref(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torc
     return torch.cat(out, dim=-1)
 
 
-@op("engram_hash")
-def _engram_hash(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
-                 offsets: torch.Tensor) -> torch.Tensor:
-    return engram_hash_ref(ngram, multipliers, primes, offsets)
-
-
-@_engram_hash.register_kernel("cuda")
-def _(ngram, multipliers, primes, offsets):
-    need_reference("engram_hash", "no CUDA kernel yet")
-    return engram_hash_ref(ngram, multipliers, primes, offsets)
-
-
-@_engram_hash.register_fake
-def _(ngram, multipliers, primes, offsets):
+def _engram_hash_fake(ngram, multipliers, primes, offsets):
     return ngram.new_empty(ngram.shape[0], multipliers.shape[0], primes.shape[1], dtype=torch.int64)
+
+
+_engram_hash = _reference_op("engram_hash", engram_hash_ref, _engram_hash_fake)
 
 
 def engram_hash(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
@@ -211,20 +215,11 @@ def engram_lookup_ref(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tenso
     return rows.view(N, C, D).to(out_dtype).to(ids.device)
 
 
-@op("engram_lookup")
-def _engram_lookup(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return engram_lookup_ref(table, scale, ids, out_dtype)
-
-
-@_engram_lookup.register_kernel("cuda")
-def _(table, scale, ids, out_dtype):
-    need_reference("engram_lookup", "no CUDA kernel yet")
-    return engram_lookup_ref(table, scale, ids, out_dtype)
-
-
-@_engram_lookup.register_fake
-def _(table, scale, ids, out_dtype):
+def _engram_lookup_fake(table, scale, ids, out_dtype):
     return ids.new_empty(ids.shape[0], ids.shape[1], table.shape[1], dtype=out_dtype)
+
+
+_engram_lookup = _reference_op("engram_lookup", engram_lookup_ref, _engram_lookup_fake)
 
 
 def engram_lookup(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor,
@@ -259,21 +254,11 @@ def engram_gate_ref(hidden: torch.Tensor, kv: torch.Tensor, w_hidden: torch.Tens
     return (x + gate.unsqueeze(-1) * v.unsqueeze(-2)).to(hidden.dtype)
 
 
-@op("engram_gate")
-def _engram_gate(hidden: torch.Tensor, kv: torch.Tensor, w_hidden: torch.Tensor, w_embed: torch.Tensor, clamp: float,
-                 eps: float) -> torch.Tensor:
-    return engram_gate_ref(hidden, kv, w_hidden, w_embed, clamp, eps)
-
-
-@_engram_gate.register_kernel("cuda")
-def _(hidden, kv, w_hidden, w_embed, clamp, eps):
-    need_reference("engram_gate", "no CUDA kernel yet")
-    return engram_gate_ref(hidden, kv, w_hidden, w_embed, clamp, eps)
-
-
-@_engram_gate.register_fake
-def _(hidden, kv, w_hidden, w_embed, clamp, eps):
+def _engram_gate_fake(hidden, kv, w_hidden, w_embed, clamp, eps):
     return torch.empty_like(hidden)
+
+
+_engram_gate = _reference_op("engram_gate", engram_gate_ref, _engram_gate_fake)
 
 
 def engram_gate(hidden: torch.Tensor, kv: torch.Tensor, w_hidden: torch.Tensor, w_embed: torch.Tensor,
