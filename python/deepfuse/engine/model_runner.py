@@ -26,7 +26,7 @@ import torch
 from .cache import CacheManager
 from .context import StepContext, build_context, decode_context
 from .engram_state import engram_history
-from .sampler import DRAFT, Sampler, SamplingBatch, derive_seed, to_device, top_logprobs
+from .sampler import DRAFT, Sampler, SamplingBatch, derive_seeds, to_device, top_logprobs
 from .scheduler import ScheduledChunk
 from .speculative import SpecDecoder
 
@@ -142,6 +142,25 @@ class StepResult:
         return self.fetched
 
 
+class _Uploads:
+    """Named int64 host arrays uploaded to the device in one copy (None: left out)."""
+
+    def __init__(self, **arrays):
+        self.arrays = {k: np.asarray(v).astype(np.int64, copy=False) for k, v in arrays.items() if v is not None}
+        self.views: dict[str, torch.Tensor] = {}
+
+    def to(self, device) -> "_Uploads":
+        flat = np.concatenate([a.reshape(-1) for a in self.arrays.values()]) if self.arrays else np.zeros(0, np.int64)
+        t, o = to_device(flat, torch.int64, device), 0
+        for k, a in self.arrays.items():
+            self.views[k] = t[o:o + a.size].view(a.shape)
+            o += a.size
+        return self
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.views[name]
+
+
 @dataclass
 class _Launched:
     batch: StepBatch
@@ -245,12 +264,11 @@ class ModelRunner:
             self.captured.append(([chunks[i].req.request_id for i in ctx.logits_req], logits.cpu()))
         return (logits, out[1]) if return_streams else logits
 
-    def sampling_batch(self, reqs, positions, *, seed_stream: int = 0, logprobs: bool = True) -> SamplingBatch:
+    def sampling_batch(self, reqs, positions, *, logprobs: bool = True) -> SamplingBatch:
         ps = [r.params for r in reqs]
-        seeds = [r.seed if not seed_stream else derive_seed(r.seed, seed_stream) for r in reqs]
         return SamplingBatch.from_lists(
             [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
-            seeds, positions, num_logprobs=max((p.logprobs or 0 for p in ps), default=0) if logprobs else 0,
+            [r.seed for r in reqs], positions, num_logprobs=max((p.logprobs or 0 for p in ps), default=0) if logprobs else 0,
             want_logprobs=logprobs and any(p.logprobs is not None for p in ps), device=self.device)
 
     @torch.no_grad()
@@ -263,36 +281,41 @@ class ModelRunner:
         first = np.zeros(B, np.int64)
         np.cumsum(nl[:-1], out=first[1:])
         jj = np.arange(K)
-        rows_of = np.where(jj[None, :] < nl[:, None], first[:, None] + jj[None, :], 0)
         R = logits.shape[0]
+        j_row = np.arange(R) - first[ctx.logits_req]
+        ver = j_row < b.verified[ctx.logits_req]
+        sim = self.spec.simulated_lengths(b.verified) if self.k else None
+        live = nl > 0
+        # every small index array of the step in one upload
+        u = _Uploads(rows_of=np.where(jj[None, :] < nl[:, None], first[:, None] + jj[None, :], 0),
+                     emit=live, ver=ver, kv=b.verified, sim=sim, next_rows=b.next_rows, next_ids=b.next_ids,
+                     rowbk=ctx.logits_req * K + j_row, a_first=np.where(live, first, 0), nl1=np.maximum(nl - 1, 0),
+                     live=live, base=b.starts + b.counts - np.maximum(nl, 1), draft_slots=b.draft_slots,
+                     first_row=np.minimum(first, max(R - 1, 0))).to(dev)
         res = StepResult(b, ctx, torch.zeros(B, K, dtype=torch.int64, device=dev),
                          torch.zeros(B, dtype=torch.int64, device=dev))
         a = torch.zeros(B, dtype=torch.int64, device=dev)
+        sb = None
         if R:
             reqs = [chunks[i].req for i in ctx.logits_req]
             if any(r.constraint is not None for r in reqs):
                 logits = apply_constraints(logits, reqs)
-            j_row = np.arange(R) - first[ctx.logits_req]
             pos = (b.starts + b.counts - nl)[ctx.logits_req] + j_row + 1
             sb = self.sampling_batch(reqs, pos.tolist(), logprobs=False)
-            rq = to_device(rows_of, torch.int64, dev)
-            emit_n = to_device(np.where(nl > 0, 1, 0), torch.int64, dev)
+            rq = u["rows_of"]
             if self.k:
-                ver = j_row < b.verified[ctx.logits_req]
                 d = ctx.input_ids[(ctx.logits_indices[:R] + 1).clamp(max=ctx.num_tokens - 1)]
                 logq = SpecDecoder.draft_logq(chunks, nl, b.verified, R, d) if ver.any() else None
-                target, acc, final = self.sampler.verify(logits, sb, d, to_device(ver, torch.bool, dev), logq)
-                kv = to_device(b.verified, torch.int64, dev)
-                acc_m = acc[rq] & (torch.arange(K, device=dev)[None, :] < kv[:, None])
+                target, acc, final = self.sampler.verify(logits, sb, d, u["ver"].bool(), logq)
+                acc_m = acc[rq] & (torch.arange(K, device=dev)[None, :] < u["kv"][:, None])
                 res.accepted = acc_m.long().cumprod(1).sum(1)
-                sim = self.spec.simulated_lengths(b.verified)
-                a = res.accepted if sim is None else to_device(sim, torch.int64, dev)
+                a = res.accepted if sim is None else u["sim"]
                 fin = (final if sim is None else target)[rq]
                 res.tokens = torch.where(torch.arange(K, device=dev)[None, :] < a[:, None], d[rq], fin)
-                res.num_emitted = (a + 1) * emit_n
+                res.num_emitted = (a + 1) * u["emit"]
             else:
                 res.tokens = self.sampler(logits, sb).tokens[rq]
-                res.num_emitted = emit_n
+                res.num_emitted = u["emit"]
             want = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
             if want:
                 lp = torch.log_softmax(logits.float(), dim=-1)
@@ -306,53 +329,50 @@ class ModelRunner:
         self._copy_out(res, host)
         if self.k:
             try:
-                self._draft(L, res, a, nl, first)
+                self._draft(L, res, a, u, sb)
             except Exception as e:
                 raise RuntimeError(f"drafting failed: {type(e).__name__}: {e}") from e
             if res.drafts is not None and (self.spec.force_drafts is not None or self.peers is not None):
-                self._copy_out(res, res.host + [("drafts", res.drafts)])
+                self._copy_out(res, [("drafts", res.drafts)])
         return res
 
     def _copy_out(self, res: StepResult, tensors: list) -> None:
+        """Start the host copies of tensors (added to res.host; res.event follows them all)."""
         if self.device.type == "cuda":
-            res.host = [(n, torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True))
-                        for n, t in tensors]
+            tensors = [(n, torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True))
+                       for n, t in tensors]
             res.event = torch.cuda.Event()
             res.event.record()
-        else:
-            res.host = list(tensors)
+        res.host = (res.host or []) + list(tensors)
 
     # ------------------------------------------------------------------ drafting
-    def _draft(self, L: _Launched, res: StepResult, a: torch.Tensor, nl: np.ndarray, first: np.ndarray) -> None:
+    def _draft(self, L: _Launched, res: StepResult, a: torch.Tensor, u: "_Uploads",
+               sb: Optional[SamplingBatch]) -> None:
         """The MTP layer over the step's rows (teacher-forced on the emitted tokens), then its
-        chain: res.drafts [B, k] for the chunks with a draft slot."""
-        b, ctx, dev, K = L.batch, L.ctx, self.device, self.k + 1
-        B, N = len(b.chunks), ctx.num_tokens
+        chain: res.drafts [B, k] for the chunks with a draft slot. Draft sampling uses the
+        target's parameters (sb) of each chunk's first row, on the DRAFT seed stream."""
+        b, ctx = L.batch, L.ctx
+        N = ctx.num_tokens
         ids = ctx.input_ids[:N]
         nxt = torch.cat([ids[1:], ids.new_zeros(1)])
         if len(b.next_rows):
-            nxt[to_device(b.next_rows, torch.int64, dev)] = to_device(b.next_ids, torch.int64, dev)
+            nxt[u["next_rows"]] = u["next_ids"]
         R = len(ctx.logits_req)
-        live = nl > 0
         if R:
-            j_row = np.arange(R) - first[ctx.logits_req]
-            nxt[ctx.logits_indices[:R]] = res.tokens.reshape(-1)[to_device(ctx.logits_req * K + j_row, torch.int64,
-                                                                           dev)]
-            a_row = to_device(np.where(live, first, 0), torch.int64, dev) + torch.minimum(
-                a, to_device(np.maximum(nl - 1, 0), torch.int64, dev))
-            row_a = torch.where(to_device(live, torch.bool, dev), ctx.logits_indices[:R][a_row.clamp(max=R - 1)], 0)
+            li = ctx.logits_indices[:R]
+            nxt[li] = res.tokens.reshape(-1)[u["rowbk"]]
+            row_a = torch.where(u["live"].bool(), li[(u["a_first"] + torch.minimum(a, u["nl1"])).clamp(max=R - 1)], 0)
         else:
-            row_a = torch.zeros(B, dtype=torch.int64, device=dev)
-        base = to_device(b.starts + b.counts - np.maximum(nl, 1), torch.int64, dev) + a  # position of the row
+            row_a = torch.zeros_like(a)
+        base = u["base"] + a  # position of each chunk's drafting row
         if self.peers is not None:
             self.peers.share(torch.cat([nxt, row_a, base]))
         logits, y = self._mtp(ctx, L.streams, nxt, row_a)
-        drafting = (b.draft_slots >= 0).any()
-        if not drafting:
+        if not (b.draft_slots >= 0).any():
             return
-        reqs = [c.req for c in b.chunks]
-        dsb = self.sampling_batch(reqs, [0] * B, seed_stream=DRAFT, logprobs=False)
-        slots = to_device(b.draft_slots, torch.int64, dev)
+        idx = u["first_row"]
+        dsb = replace(sb, temperature=sb.temperature[idx], top_k=sb.top_k[idx], top_p=sb.top_p[idx],
+                      min_p=sb.min_p[idx], seed=derive_seeds(sb.seed[idx], DRAFT), position=base)
         drafts, logqs = [], []
         x = y[row_a]
         for j in range(self.k):
@@ -363,7 +383,7 @@ class ModelRunner:
                 break
             if self.peers is not None:
                 self.peers.share(d)
-            logits, x = self._chain(d, base + 1 + j, slots, x)
+            logits, x = self._chain(d, base + 1 + j, u["draft_slots"], x)
         res.drafts = torch.stack(drafts, 1)
         if logqs[0] is not None:
             res.draft_logq = torch.stack(logqs, 1)
