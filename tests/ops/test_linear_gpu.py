@@ -4,6 +4,9 @@ The kernels quantise activations to FP8 per token per 128 (the reference does no
 check is against an emulation of that rounding (every element: |y - emu| <= 2e-2 |emu| +
 1e-2 max|emu|) and against the exact reference (relative Frobenius error <= 0.05).
 M <= 64 runs our weight-streaming kernel, larger M cuBLASLt (fp8) or our kernel (mxfp4).
+mxfp4 with fp32 x is also held to the accumulation bound |y - emu| <= 2^-10 sum_k |xq_k w_k|
+(emu in float64): a 128-K chunk's four wgmmas accumulate in the tensor cores' fp32 (group
+scales folded into the decoded e4m3 weights) or per 32-value group (spread scales), then fp32.
 The fp8_linear launcher's own checks (dtype, shape, device) run on the CPU too.
 """
 import pytest
@@ -45,6 +48,35 @@ def test_quant_linear_matches_reference(fmt, scale_fmt, M, K, N):
     assert not bad.any(), f"{int(bad.sum())} off; max {(yf - emu).abs().max().item():.3g}"
     ref = L.quant_linear_ref(x.float(), w, s, fmt)
     assert ((yf - ref).norm() / ref.norm()).item() <= 0.05
+
+
+def spread_mx_scales(s, spread, g):
+    """UE8M0 group exponents moved down by 0..spread each (apart within a 128-K chunk);
+    spread < 0: one group of one row per 8 chunks moved down by -spread (a rare outlier)."""
+    s = s.to(torch.int16)
+    if spread >= 0:
+        s = s - torch.randint(0, spread + 1, s.shape, device=DEV, generator=g, dtype=torch.int16)
+    else:
+        s[3, 1::32] += spread
+    return s.clamp(1, 254).to(torch.uint8)
+
+
+@gpu
+@pytest.mark.parametrize("spread", [0, 11, 40, -30])  # folded, folded at the widest range, per group, mixed
+@pytest.mark.parametrize("M,K,N", [(1, 2048, 512), (33, 1024, 320), (80, 1024, 256)])
+def test_quant_linear_mxfp4_within_the_accumulation_bound(spread, M, K, N):
+    g = torch.Generator(device=DEV).manual_seed(M + K + spread)
+    w, s = make_weight(N, K, "mxfp4", None, g)
+    s = spread_mx_scales(s, spread, g)
+    x = torch.randn(M, K, device=DEV, generator=g)
+    y = ops.quant_linear(x, w, s, "mxfp4")
+    assert y.dtype == torch.float32 and torch.isfinite(y).all()
+    q, sc = ops.fp8_per_token_cast(x, 128)
+    xq = ops.fp8_per_token_dequant(q, sc, dtype=torch.float32).double()
+    wd = L.dequant_weight(w, s, "mxfp4").double()
+    err, mag = (y.double() - xq @ wd.T).abs(), xq.abs() @ wd.abs().T
+    print(f"mxfp4 spread {spread} M={M}: max |y - emu| / sum|xw| = {(err / mag.clamp_min(1e-300)).max().item():.3g}")
+    assert (err <= 2.0 ** -10 * mag).all()
 
 
 @gpu
@@ -100,6 +132,8 @@ def test_linear_sanitize_small():
     g = torch.Generator(device=DEV).manual_seed(3)
     for fmt in ("fp8", "mxfp4"):
         w, s = make_weight(192, 256, fmt, "ue8m0", g)
+        if fmt == "mxfp4":  # some chunks per group
+            s = spread_mx_scales(s, -30, g)
         for M in (3, 80):
             x = torch.randn(M, 256, device=DEV, generator=g).to(torch.bfloat16)
             assert torch.isfinite(ops.quant_linear(x, w, s, fmt)).all()

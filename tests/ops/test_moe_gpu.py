@@ -22,7 +22,9 @@ DEV = "cuda"
 
 
 @functools.lru_cache(maxsize=4)
-def make_experts(E, I, d, fmt, seed=0, shared=False):
+def make_experts(E, I, d, fmt, seed=0, shared=False, spread=0):
+    """spread (mxfp4): every UE8M0 group exponent moved down by 0..spread (chunks whose group
+    scales are further apart than the decode can fold run per group)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     out = {}
     for name, (N, K) in (("w1", (I, d)), ("w3", (I, d)), ("w2", (d, I))):
@@ -40,6 +42,9 @@ def make_experts(E, I, d, fmt, seed=0, shared=False):
             parts = [ops.mxfp4_cast(w[r:r + step]) for r in range(0, E * N, step)]
             q = torch.cat([a for a, _ in parts]).view(E, N, K // 2)
             s = torch.cat([b for _, b in parts]).view(E, N, K // 32)
+            if spread:
+                off = torch.randint(0, spread + 1, s.shape, device=DEV, generator=g, dtype=torch.int16)
+                s = (s.to(torch.int16) - off).clamp(1, 254).to(torch.uint8)
         out[name] = (q, s)
     sh = None
     if shared:
@@ -132,6 +137,19 @@ def test_moe_experts_matches_reference(fmt, T, d, I, E, k, kind, shared):
     check(out, emulated(x, ids, w, ex, fmt, 6.0, sh), ref)
 
 
+@pytest.mark.parametrize("spread", [11, 40])  # all chunks folded / most per group
+@pytest.mark.parametrize("T,kind", [(1, "random"), (8, "one"), (300, "random")])
+def test_moe_experts_mxfp4_spread_group_scales(spread, T, kind):
+    g = torch.Generator(device=DEV).manual_seed(T + spread)
+    ex, sh = make_experts(8, 256, 256, "mxfp4", seed=T, shared=T == 8, spread=spread)
+    x = torch.randn(T, 256, device=DEV, generator=g).to(torch.bfloat16)
+    ids, w = routing(T, 8, 2, kind, g)
+    out = run_kernel(x, ids, w, ex, "mxfp4", 6.0, sh)
+    ref = M.moe_experts_ref(x.float(), ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), "mxfp4", 6.0, sh)
+    check(out, emulated(x, ids, w, ex, "mxfp4", 6.0, sh), ref)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_moe_experts_more_tokens_than_a_grid_y_extent(fmt):
     """T = 66000 > 65535 (the combine's grid had tokens on y): every row against the
@@ -210,10 +228,10 @@ def test_moe_experts_deterministic_and_graph_capturable():
 @pytest.mark.sanitize
 def test_moe_sanitize_small():
     """Small cases of every kernel path for compute-sanitizer (tools/gpu/gpu_run.sh)."""
-    for fmt in ("fp8", "mxfp4"):
+    for fmt, spread in (("fp8", 0), ("mxfp4", 0), ("mxfp4", 40)):
         for T in (2, 300):
             g = torch.Generator(device=DEV).manual_seed(T)
-            ex, sh = make_experts(4, 128, 256, fmt, seed=T, shared=True)
+            ex, sh = make_experts(4, 128, 256, fmt, seed=T, shared=True, spread=spread)
             x = torch.randn(T, 256, device=DEV, generator=g).to(torch.bfloat16)
             ids, w = routing(T, 4, 2, "dropped", g)
             out = run_kernel(x, ids, w, ex, fmt, 6.0, sh)
