@@ -13,14 +13,9 @@
 // Activations are FP8 with one fp32 scale per token per 128 of K (deepfuse's activation cast).
 //   fp8   128 x 128 weight block scales: a 128-K chunk's four wgmmas accumulate apart, then
 //         are scaled once into the fp32 accumulator (DeepGEMM's promotion).
-//   mxfp4 e2m1 decoded to e4m3 in shared memory with the row's group scales folded in: group g
-//         of a row whose largest group exponent in the chunk is s_max becomes v * 2^(6 - d),
-//         d = s_max - s_g, for d <= 11 (v * 2^t, t in [-5, 6], is a normal e4m3 value: 6 * 2^6 =
-//         384 <= 448, 0.5 * 2^-5 = 2^-6; t in [-8, -6] is exact too but subnormal). Then the
-//         chunk's four wgmmas accumulate together and are promoted once with 2^(s_max - 133) per
-//         row, like the fp8 block scale. A chunk where some nonzero group has d > 11 (or a row has
-//         s_max < 7 or 255) decodes those groups as v * 2^-5 and runs per group: four wgmmas each
-//         waited and promoted with its own scale (the unfolded path's products, exactly).
+//   mxfp4 e2m1 decoded to e4m3 in shared memory (e4m3 bits (m << 2 | s << 7) hold the e2m1
+//         value times 2^-6, exactly, subnormals included); each k32 wgmma is one MX group, so
+//         its partial sum takes that group's per-row UE8M0 scale (times 2^6).
 // Rows are summed in a fixed order whatever tile they land in, so results do not depend on
 // the routing plan's placement (atomics there are harmless).
 #pragma once
@@ -104,30 +99,12 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[BT / 2], uint64_t da, uint
 
 __device__ __forceinline__ float ue8m0_value(uint32_t b) { return exp2i(static_cast<int>(b) - 127); }
 
-// The largest of four UE8M0 bytes (a row's group exponents in one 128-K chunk).
-__device__ __forceinline__ uint32_t ue8m0_max4(uint32_t sc) {
-  const uint32_t m = __vmaxu4(sc, sc >> 16);
-  return max(m & 0xFFu, (m >> 8) & 0xFFu);
-}
-// Group exponent sj folds into its row's decode (v * 2^(6 - (smax - sj)), promoted with
-// 2^(smax - 133), a normal fp32) exactly; otherwise it is decoded as v * 2^-5.
-__device__ __forceinline__ bool mx_fold_ok(uint32_t smax, uint32_t sj) {
-  return smax - sj <= 11u && smax >= 7u && smax <= 254u;
-}
 // Eight packed e2m1 (one 32-bit word, element 2i in the low nibble of byte i) -> eight e4m3
-// bytes in element order through the table of the eight magnitudes (tlo: codes
-// 0-3, thi: codes 4-7), the sign bits copied.
-__device__ __forceinline__ uint2 e2m1x8_to_e4m3_tab(uint32_t x, uint32_t tlo, uint32_t thi) {
-  const uint32_t m = x & 0x77777777u;
-  const uint32_t slo = (x << 4) & 0x80808080u, shi = x & 0x80808080u;  // elements 0, 2, .. / 1, 3, ..
-  return make_uint2(__byte_perm(tlo, thi, m) | __byte_perm(slo, shi, 0x5140),
-                    __byte_perm(tlo, thi, m >> 16) | __byte_perm(slo, shi, 0x7362));
-}
-// e4m3 bytes of the e2m1 magnitudes {0, .5, 1, 1.5} (lo) and {2, 3, 4, 6} (hi) times 2^t, t in
-// [-5, 6]: all normal, so 2^t moves every nonzero byte's exponent field by t (no carries).
-__device__ __forceinline__ uint2 e2m1_table(int t) {
-  const uint32_t t8 = static_cast<uint32_t>(t * 8);
-  return make_uint2(0x3C383000u + t8 * 0x01010100u, 0x4C484440u + t8 * 0x01010101u);
+// bytes in element order, each the e2m1 value times 2^-6.
+__device__ __forceinline__ uint2 e2m1x8_to_e4m3(uint32_t x) {
+  const uint32_t lo = ((x << 2) & 0x1C1C1C1Cu) | ((x << 4) & 0x80808080u);  // elements 0, 2, 4, 6
+  const uint32_t hi = ((x >> 2) & 0x1C1C1C1Cu) | (x & 0x80808080u);         // elements 1, 3, 5, 7
+  return make_uint2(__byte_perm(lo, hi, 0x5140), __byte_perm(lo, hi, 0x7362));
 }
 
 template <int BT_, int WG_, int STAGES_, bool MXL_, int KCH_ = 1>
@@ -294,25 +271,18 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
     };
     const int st = it % C::STAGES;
     if (MX) issue_next();
-    bool per_group = false;  // MX: this stage's chunks run per group (see the header)
-    if (MX) {  // packed e2m1 -> swizzled e4m3 tiles; a thread decodes one 32-value group
-      int slow = 0;
+    if (MX) {  // packed e2m1 -> swizzled e4m3 tiles
       for (int q = tid; q < C::KCH * C::ROWS * 4; q += C::kThreads) {
         const int c = q / (C::ROWS * 4), n = (q >> 2) % C::ROWS, qq = q & 3;
         const uint4 v = *reinterpret_cast<const uint4*>(sm.PK(st) + (c * C::ROWS + n) * 64 + qq * 16);
-        const uint32_t sc = *reinterpret_cast<const uint32_t*>(sm.SC(st) + (c * C::ROWS + n) * 4);
-        const uint32_t smax = ue8m0_max4(sc), sj = (sc >> (8 * qq)) & 0xFFu;
-        const bool ok = mx_fold_ok(smax, sj);
-        slow |= !ok && ((v.x | v.y | v.z | v.w) & 0x77777777u) != 0;
-        const uint2 tab = e2m1_table(ok ? 6 - static_cast<int>(smax - sj) : -5);
         char* sW = sm.W(st) + c * C::kW1;
-        const uint2 o0 = e2m1x8_to_e4m3_tab(v.x, tab.x, tab.y), o1 = e2m1x8_to_e4m3_tab(v.y, tab.x, tab.y);
-        const uint2 o2 = e2m1x8_to_e4m3_tab(v.z, tab.x, tab.y), o3 = e2m1x8_to_e4m3_tab(v.w, tab.x, tab.y);
+        const uint2 o0 = e2m1x8_to_e4m3(v.x), o1 = e2m1x8_to_e4m3(v.y);
+        const uint2 o2 = e2m1x8_to_e4m3(v.z), o3 = e2m1x8_to_e4m3(v.w);
         *reinterpret_cast<uint4*>(sW + n * 128 + (((2 * qq) ^ (n & 7)) << 4)) = make_uint4(o0.x, o0.y, o1.x, o1.y);
         *reinterpret_cast<uint4*>(sW + n * 128 + (((2 * qq + 1) ^ (n & 7)) << 4)) = make_uint4(o2.x, o2.y, o3.x, o3.y);
       }
       fence_proxy_async();
-      per_group = __syncthreads_or(slow) != 0;
+      __syncthreads();
     }
 #pragma unroll
     for (int c = 0; c < C::KCH; ++c) {
@@ -338,30 +308,15 @@ __device__ __forceinline__ void gemm_mainloop(const GemmArgs& args, const GemmOp
         promote<C::BT>(acc, part, w0, w1, sa);
       } else {
         const uint8_t* sc = sm.SC(st) + c * C::ROWS * 4;
-        const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(sc + rg * 4);
-        const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(sc + (rg + 8) * 4);
-        const uint32_t m0 = ue8m0_max4(sc0), m1 = ue8m0_max4(sc1);
-        if (!per_group) {  // folded scales: one wait, one promotion with 2^(s_max - 133) per row
-          wgmma_fence();
 #pragma unroll
-          for (int j = 0; j < 4; ++j) wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), j);
+        for (int j = 0; j < 4; ++j) {
+          wgmma_fence();
+          wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), 0);
           wgmma_commit();
           wgmma_wait0();
           fence_regs(part);
-          promote<C::BT>(acc, part, exp2i(static_cast<int>(m0) - 133), exp2i(static_cast<int>(m1) - 133), sa);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            wgmma_fence();
-            wgmma_tile<C::BT>(part, smem_desc(wa + j * 32), smem_desc(xa + j * 32), 0);
-            wgmma_commit();
-            wgmma_wait0();
-            fence_regs(part);
-            const uint32_t s0 = (sc0 >> (8 * j)) & 0xFFu, s1 = (sc1 >> (8 * j)) & 0xFFu;
-            const float w0 = mx_fold_ok(m0, s0) ? exp2i(static_cast<int>(m0) - 133) : ue8m0_value(s0) * 32.0f;
-            const float w1 = mx_fold_ok(m1, s1) ? exp2i(static_cast<int>(m1) - 133) : ue8m0_value(s1) * 32.0f;
-            promote<C::BT>(acc, part, w0, w1, sa);
-          }
+          const float w0 = ue8m0_value(sc[rg * 4 + j]) * 64.0f, w1 = ue8m0_value(sc[(rg + 8) * 4 + j]) * 64.0f;
+          promote<C::BT>(acc, part, w0, w1, sa);
         }
       }
     }

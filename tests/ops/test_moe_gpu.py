@@ -23,8 +23,8 @@ DEV = "cuda"
 
 @functools.lru_cache(maxsize=4)
 def make_experts(E, I, d, fmt, seed=0, shared=False, spread=0):
-    """spread (mxfp4): every UE8M0 group exponent moved down by 0..spread (chunks whose group
-    scales are further apart than the decode can fold run per group)."""
+    """spread (mxfp4): every UE8M0 group exponent moved down by 0..spread (group scales of one
+    128-K chunk far apart)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     out = {}
     for name, (N, K) in (("w1", (I, d)), ("w3", (I, d)), ("w2", (d, I))):
@@ -137,7 +137,7 @@ def test_moe_experts_matches_reference(fmt, T, d, I, E, k, kind, shared):
     check(out, emulated(x, ids, w, ex, fmt, 6.0, sh), ref)
 
 
-@pytest.mark.parametrize("spread", [11, 40])  # all chunks folded / most per group
+@pytest.mark.parametrize("spread", [11, 40])
 @pytest.mark.parametrize("T,kind", [(1, "random"), (8, "one"), (300, "random")])
 def test_moe_experts_mxfp4_spread_group_scales(spread, T, kind):
     g = torch.Generator(device=DEV).manual_seed(T + spread)
