@@ -52,6 +52,7 @@ def test_padded_verify_steps_emit_what_eager_steps_emit(tiny, k):
     llm, out = _run(tiny, True, prompts, ps, num_speculative_tokens=k)
     assert out == ref
     assert any(T == k + 1 for _, T in llm.engine.runner.graphs.graphs)
+    assert llm.engine.runner.fused_steps > 0  # greedy: target, acceptance and drafts in one (padded) graph
 
 
 def test_padding_writes_nowhere(tiny):

@@ -23,7 +23,9 @@ inputs: the next ids [bucket * T] and the row per request whose logits are draft
 [bucket]); per bucket a chain graph holds one chained draft step (a token per request at
 device positions: context.decode_context from static ids / positions / slots / streams;
 pad requests have slot -1). So a speculative step is the target replay, the sampling
-pass, the MTP replay and k - 1 chain replays, each with its draft sampling.
+pass, the MTP replay and k - 1 chain replays, each with its draft sampling. A step of
+greedy requests only (no logprobs, constraints or simulated acceptance) replays ONE graph
+per (bucket, T) instead: target, acceptance, MTP pass and chained argmax drafts (_fused).
 
 On the CPU (no graphs) the same padded static steps run eagerly: tests of the padding.
 """
@@ -51,6 +53,7 @@ class _Graph:
     graph: Optional["torch.cuda.CUDAGraph"]
     out: object                       # logits [R, V] or (logits, streams [N, hc, d]), graph memory
     mtp: Optional[tuple] = None       # (graph or None, next ids [bucket * T], rows [bucket], (logits, streams) or None)
+    fused: Optional[tuple] = None     # greedy speculative step in one graph: (graph or None, draft slots [bucket], outputs)
     last: Optional[tuple] = None      # CPU: (padded context, outputs) of the last run (the MTP pass reads them)
 
 
@@ -89,6 +92,7 @@ class GraphRunner:
         self.device = model.device
         self.capture = self.device.type == "cuda"
         self.mtp_graphs = mtp
+        self.k = max(tokens) - 1 if mtp else 0
         self.return_streams = return_streams or mtp
         self.chains: dict[int, _Chain] = {}
         b = [x for x in (buckets or _BUCKETS) if x <= max_reqs]
@@ -159,6 +163,8 @@ class GraphRunner:
             rows = torch.zeros(bucket, dtype=torch.int64, device=self.device)
             mtp = lambda: self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, out[1], nxt)  # noqa: E731
             gr.mtp = (self._capture(mtp), nxt, rows, self._outs)
+            slots = torch.full((bucket,), -1, dtype=torch.int64, device=self.device)
+            gr.fused = (self._capture(lambda: self._fused(hc, d, slots)), slots, self._outs)
         self.capture_s += time.perf_counter() - t0
         return gr
 
@@ -262,6 +268,56 @@ class GraphRunner:
                 outs = self.model.mtp_forward_step(replace(c, logits_indices=g_rows), self.cache, out[1], g_nxt)
         return outs[0][:B], outs[1][:N]
 
+    # ------------------------------------------------------------------ the greedy speculative step, fused
+    def _fused(self, hc, d: list, slots: torch.Tensor):
+        """The whole step of greedy requests from the static buffer: context, target forward,
+        acceptance (the longest prefix of drafts equal to the argmax), the emitted tokens, the
+        MTP pass on them and the k - 1 chained drafts (argmax), all static shapes ->
+        (tokens [bucket, k + 1], emitted [bucket], accepted [bucket], drafts [bucket, k]).
+        The same arithmetic as ModelRunner.finish / _draft for such a step."""
+        m, cache, geom = self.model, self.cache, self.cache.geometry
+        ctx = device_context(hc, d, geom, cache.block_tables, self.device)
+        logits, streams = m.forward_step(ctx, cache, return_streams=True)
+        Bk, T = hc.B, hc.N // hc.B
+        target = logits.argmax(-1).view(Bk, T)
+        ids = ctx.input_ids.view(Bk, T)
+        if T > 1:
+            dr = torch.cat([ids[:, 1:], ids[:, :1]], 1)  # row j verifies the input after it (the last: none)
+            a = (dr[:, :T - 1] == target[:, :T - 1]).long().cumprod(1).sum(1)
+            tokens = torch.where(torch.arange(T, device=self.device)[None, :] < a[:, None], dr, target)
+        else:
+            a, tokens = torch.zeros(Bk, dtype=torch.int64, device=self.device), target
+        row_a = torch.arange(Bk, device=self.device) * T + a
+        base = ctx.positions.view(Bk, T)[:, 0] + a
+        lg, y = m.mtp_forward_step(replace(ctx, logits_indices=row_a), cache, streams, tokens.reshape(-1))
+        drafts, x = [lg.argmax(-1)], y[row_a]
+        for j in range(1, self.k):
+            lg, x = self._chain_fn(drafts[-1], base + j, slots, x)
+            drafts.append(lg.argmax(-1))
+        out = torch.zeros(Bk, self.k + 1, dtype=torch.int64, device=self.device)
+        out[:, :T] = tokens
+        return out, a + 1, a, torch.stack(drafts, 1)
+
+    def fused_ok(self, ctx: StepContext) -> bool:
+        return self.mtp_graphs and ctx.graph is not None
+
+    def fused(self, ctx: StepContext, draft_slots: torch.Tensor):
+        """Run the fused greedy step whose buffer prepare filled -> its outputs' first B rows
+        (copies: the graph's outputs are rewritten by its next replay)."""
+        g = ctx.graph
+        B = ctx.num_reqs
+        if g.fused is None:
+            g.fused = (None, torch.full((g.pad.reqs,), -1, dtype=torch.int64, device=self.device), None)
+        graph, slots, outs = g.fused
+        slots[:B].copy_(draft_slots)
+        slots[B:].fill_(-1)
+        if graph is not None:
+            graph.replay()
+        else:
+            with torch.no_grad():
+                outs = self._fused(g.hc, g.d, slots)
+        return tuple(t[:B].clone() for t in outs)
+
     # ------------------------------------------------------------------ chained draft steps
     def chain_ok(self, B: int) -> bool:
         return self.mtp_graphs and 0 < B <= self.buckets[-1]
@@ -279,10 +335,13 @@ class GraphRunner:
         return c
 
     def _chain_step(self, c: _Chain):
+        return self._chain_fn(c.ids, c.pos, c.slots, c.x)
+
+    def _chain_fn(self, ids, pos, slots, x):
         cache = self.cache
         entries = tuple(cache.block_tables[r].shape[1] * cache.page_size for r, _ in cache.geometry.schedules)
-        cctx = decode_context(c.ids, c.pos, c.slots, cache.geometry, cache.block_tables, entries)
-        return self.model.mtp_forward_step(cctx, cache, c.x, c.ids)
+        cctx = decode_context(ids, pos, slots, cache.geometry, cache.block_tables, entries)
+        return self.model.mtp_forward_step(cctx, cache, x, ids)
 
     def chain(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, x: torch.Tensor):
         """One chained draft step of B requests in the smallest bucket >= B -> (logits [B, V],

@@ -165,8 +165,9 @@ class _Uploads:
 class _Launched:
     batch: StepBatch
     ctx: StepContext
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
     streams: Optional[torch.Tensor]
+    fused: bool = False
 
 
 class ModelRunner:
@@ -182,6 +183,7 @@ class ModelRunner:
             peers.attach(cache)
         self.last_prepare_s = 0.0  # host time of the last step's context building
         self.captured: Optional[list] = None  # set to [] to keep (request ids, logits) of every step (tests)
+        self.fused_steps = 0  # steps run as one fused greedy speculative graph (GraphRunner.fused)
 
     # ------------------------------------------------------------------ the step's inputs
     def batch(self, chunks: list[ScheduledChunk], draft_slots: Optional[np.ndarray] = None) -> StepBatch:
@@ -243,9 +245,21 @@ class ModelRunner:
         """The first half of run: context and the target's forward (no host input after it
         but the constraints' masks, which finish applies)."""
         ctx = self.prepare(batch, prev)
+        if self._fusable(batch, ctx):  # one replay does the whole step (finish)
+            return _Launched(batch, ctx, None, None, fused=True)
         out = self.forward(batch.chunks, ctx, return_streams=self.k > 0)
         logits, streams = out if self.k else (out, None)
         return _Launched(batch, ctx, logits, streams)
+
+    def _fusable(self, b: StepBatch, ctx: StepContext) -> bool:
+        """A uniform graph step of greedy requests that want no logprobs, no constraints and
+        no simulated acceptance: GraphRunner.fused runs it whole."""
+        if not self.k or self.peers is not None or self.spec.simulate_acc_len is not None:
+            return False
+        if self.graphs is None or not self.graphs.fused_ok(ctx):
+            return False
+        return all(c.req.params.greedy and c.req.params.logprobs is None and c.req.constraint is None
+                   and not c.req.wants_prompt_rows for c in b.chunks)
 
     @torch.no_grad()
     def forward(self, chunks: list[ScheduledChunk], ctx: StepContext, *, return_streams: bool = False):
@@ -277,6 +291,14 @@ class ModelRunner:
         b, ctx, logits = L.batch, L.ctx, L.logits
         chunks, dev = b.chunks, self.device
         B, K = len(chunks), self.k + 1
+        if L.fused:
+            self.fused_steps += 1
+            tokens, emitted, accepted, drafts = self.graphs.fused(ctx, to_device(b.draft_slots, torch.int64, dev))
+            res = StepResult(b, ctx, tokens, emitted, accepted, drafts=drafts)
+            self._copy_out(res, [("tokens", tokens), ("num_emitted", emitted), ("accepted", accepted)])
+            if self.spec.force_drafts is not None:
+                self._copy_out(res, [("drafts", drafts)])
+            return res
         nl = np.asarray(ctx.num_logits, np.int64)
         first = np.zeros(B, np.int64)
         np.cumsum(nl[:-1], out=first[1:])
