@@ -167,3 +167,15 @@ def test_graphs_overlap_speculation_constraints_match_the_plain_loop(tiny, k, te
         for graphs, overlap in ((True, False), (False, True), (True, True)):
             assert _matrix_run(tiny, k, graphs, overlap, constrained, temperature) == ref, (graphs, overlap,
                                                                                            constrained)
+
+
+def test_fused_step_with_simulated_acceptance(tiny):
+    """The benchmark knob through the fused greedy step: the same tokens and the same
+    (real and simulated) acceptance statistics as the unfused eager steps."""
+    prompts = prompts_for([20, 60, 7], tiny.cfg.vocab_size, seed=14)
+    sp = [SamplingParams(max_tokens=14, ignore_eos=True)] * len(prompts)
+    a, ta = _run(tiny, False, prompts, sp, num_speculative_tokens=3, spec_simulate_acc_len=2.5)
+    b, tb = _run(tiny, True, prompts, sp, num_speculative_tokens=3, spec_simulate_acc_len=2.5)
+    assert ta == tb and b.engine.runner.fused_steps > 0
+    sa, sb = a.engine.stats()["spec"], b.engine.stats()["spec"]
+    assert sa == sb and sa["simulated"] and sa["mean_accepted_length"] > 2

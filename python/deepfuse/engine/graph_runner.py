@@ -24,7 +24,7 @@ inputs: the next ids [bucket * T] and the row per request whose logits are draft
 device positions: context.decode_context from static ids / positions / slots / streams;
 pad requests have slot -1). So a speculative step is the target replay, the sampling
 pass, the MTP replay and k - 1 chain replays, each with its draft sampling. A step of
-greedy requests only (no logprobs, constraints or simulated acceptance) replays ONE graph
+greedy requests only (no logprobs or constraints) replays ONE graph
 per (bucket, T) instead: target, acceptance, MTP pass and chained argmax drafts (_fused).
 
 On the CPU (no graphs) the same padded static steps run eagerly: tests of the padding.
@@ -163,8 +163,8 @@ class GraphRunner:
             rows = torch.zeros(bucket, dtype=torch.int64, device=self.device)
             mtp = lambda: self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, out[1], nxt)  # noqa: E731
             gr.mtp = (self._capture(mtp), nxt, rows, self._outs)
-            slots = torch.full((bucket,), -1, dtype=torch.int64, device=self.device)
-            gr.fused = (self._capture(lambda: self._fused(hc, d, slots)), slots, self._outs)
+            st = self._fused_inputs(bucket)
+            gr.fused = (self._capture(lambda: self._fused(hc, d, *st)), st, self._outs)
         self.capture_s += time.perf_counter() - t0
         return gr
 
@@ -269,7 +269,13 @@ class GraphRunner:
         return outs[0][:B], outs[1][:N]
 
     # ------------------------------------------------------------------ the greedy speculative step, fused
-    def _fused(self, hc, d: list, slots: torch.Tensor):
+    def _fused_inputs(self, bucket: int) -> tuple:
+        """Static inputs of a fused step: draft slots [bucket] (-1: no drafts), simulated
+        accepted lengths [bucket] and their switch [1] (the spec_simulate_acc_len knob)."""
+        z = lambda: torch.zeros(bucket, dtype=torch.int64, device=self.device)  # noqa: E731
+        return torch.full((bucket,), -1, dtype=torch.int64, device=self.device), z(), z()[:1]
+
+    def _fused(self, hc, d: list, slots: torch.Tensor, sim: torch.Tensor, use_sim: torch.Tensor):
         """The whole step of greedy requests from the static buffer: context, target forward,
         acceptance (the longest prefix of drafts equal to the argmax), the emitted tokens, the
         MTP pass on them and the k - 1 chained drafts (argmax), all static shapes ->
@@ -283,10 +289,12 @@ class GraphRunner:
         ids = ctx.input_ids.view(Bk, T)
         if T > 1:
             dr = torch.cat([ids[:, 1:], ids[:, :1]], 1)  # row j verifies the input after it (the last: none)
-            a = (dr[:, :T - 1] == target[:, :T - 1]).long().cumprod(1).sum(1)
+            acc = (dr[:, :T - 1] == target[:, :T - 1]).long().cumprod(1).sum(1)
+            a = torch.where(use_sim > 0, sim.clamp(max=T - 1), acc)
             tokens = torch.where(torch.arange(T, device=self.device)[None, :] < a[:, None], dr, target)
         else:
-            a, tokens = torch.zeros(Bk, dtype=torch.int64, device=self.device), target
+            acc = a = torch.zeros(Bk, dtype=torch.int64, device=self.device)
+            tokens = target
         row_a = torch.arange(Bk, device=self.device) * T + a
         base = ctx.positions.view(Bk, T)[:, 0] + a
         lg, y = m.mtp_forward_step(replace(ctx, logits_indices=row_a), cache, streams, tokens.reshape(-1))
@@ -296,26 +304,30 @@ class GraphRunner:
             drafts.append(lg.argmax(-1))
         out = torch.zeros(Bk, self.k + 1, dtype=torch.int64, device=self.device)
         out[:, :T] = tokens
-        return out, a + 1, a, torch.stack(drafts, 1)
+        return out, a + 1, acc, torch.stack(drafts, 1)
 
     def fused_ok(self, ctx: StepContext) -> bool:
         return self.mtp_graphs and ctx.graph is not None
 
-    def fused(self, ctx: StepContext, draft_slots: torch.Tensor):
-        """Run the fused greedy step whose buffer prepare filled -> its outputs' first B rows
+    def fused(self, ctx: StepContext, draft_slots: torch.Tensor, sim: Optional[torch.Tensor] = None):
+        """Run the fused greedy step whose buffer prepare filled (sim [B]: simulated accepted
+        lengths, or None) -> (tokens, emitted, accepted (real), drafts), first B rows
         (copies: the graph's outputs are rewritten by its next replay)."""
         g = ctx.graph
         B = ctx.num_reqs
         if g.fused is None:
-            g.fused = (None, torch.full((g.pad.reqs,), -1, dtype=torch.int64, device=self.device), None)
-        graph, slots, outs = g.fused
+            g.fused = (None, self._fused_inputs(g.pad.reqs), None)
+        graph, (slots, g_sim, use_sim), outs = g.fused
         slots[:B].copy_(draft_slots)
         slots[B:].fill_(-1)
+        use_sim.fill_(int(sim is not None))
+        if sim is not None:
+            g_sim[:B].copy_(sim)
         if graph is not None:
             graph.replay()
         else:
             with torch.no_grad():
-                outs = self._fused(g.hc, g.d, slots)
+                outs = self._fused(g.hc, g.d, slots, g_sim, use_sim)
         return tuple(t[:B].clone() for t in outs)
 
     # ------------------------------------------------------------------ chained draft steps

@@ -252,9 +252,9 @@ class ModelRunner:
         return _Launched(batch, ctx, logits, streams)
 
     def _fusable(self, b: StepBatch, ctx: StepContext) -> bool:
-        """A uniform graph step of greedy requests that want no logprobs, no constraints and
-        no simulated acceptance: GraphRunner.fused runs it whole."""
-        if not self.k or self.peers is not None or self.spec.simulate_acc_len is not None:
+        """A uniform graph step of greedy requests that want no logprobs and no constraints:
+        GraphRunner.fused runs it whole."""
+        if not self.k or self.peers is not None:
             return False
         if self.graphs is None or not self.graphs.fused_ok(ctx):
             return False
@@ -293,7 +293,9 @@ class ModelRunner:
         B, K = len(chunks), self.k + 1
         if L.fused:
             self.fused_steps += 1
-            tokens, emitted, accepted, drafts = self.graphs.fused(ctx, to_device(b.draft_slots, torch.int64, dev))
+            sim = self.spec.simulated_lengths(b.verified)
+            tokens, emitted, accepted, drafts = self.graphs.fused(
+                ctx, to_device(b.draft_slots, torch.int64, dev), None if sim is None else to_device(sim, torch.int64, dev))
             res = StepResult(b, ctx, tokens, emitted, accepted, drafts=drafts)
             self._copy_out(res, [("tokens", tokens), ("num_emitted", emitted), ("accepted", accepted)])
             if self.spec.force_drafts is not None:
