@@ -211,7 +211,7 @@ class GraphRunner:
         out = {}
         for key, g in self.graphs.items():
             seen, n = set(), 0
-            for t in _tensors((g.buf, g.ctx, g.out, g.mtp)):
+            for t in _tensors((g.buf, g.ctx, g.out, g.mtp, g.fused)):
                 p = t.untyped_storage().data_ptr()
                 if p not in seen:
                     seen.add(p)
