@@ -472,6 +472,25 @@ class DSparkLayer(V41Block):
                 self.confidence_head = ConfidenceHead(cfg)
 
 
+def replay_first_layer(cfg: V41Config) -> int:
+    """The first layer of decoder-side bounded replay: the one after the last kv source (layer 21
+    of V4.1-Flash; later layers own window KV only, vLLM PR 56752)."""
+    return max(cfg.kv_source_layers) + 1 if cfg.kv_source_layers else 0
+
+
+def _replay_tail(x, pre, positions, hashes, shared: dict, K: int):
+    """Keep the last K positions: streams, pre, positions, Engram rows and the per-query
+    selection / candidates in shared (compressed rows and keys stay whole)."""
+    B, T = x.shape[:2]
+    s = T - K
+    for key in ("sel", "candidates"):
+        if shared.get(key) is not None:
+            shared[key] = shared[key][:, s:]
+    if hashes is not None:
+        hashes = hashes.view(B, T, *hashes.shape[1:])[:, s:].reshape(B * K, *hashes.shape[1:])
+    return x[:, s:], pre[:, s:], positions[s:], hashes
+
+
 class V41Model(ModelBase):
     """Official names: embed, layers.<i>, norm, head, mtp.<i> (DSpark stages)."""
 
@@ -504,20 +523,47 @@ class V41Model(ModelBase):
         return [l.engram.embed for l in self.layers if l.engram is not None]
 
     @scoped(full=True)
-    def forward(self, input_ids: torch.Tensor, *, return_streams: bool = False):
+    def forward(self, input_ids: torch.Tensor, *, return_streams: bool = False, replay_window: Optional[int] = None,
+                replay_from: Optional[int] = None):
         """Full forward of sequences from position 0: input_ids [B, T] -> logits [B, T, vocab]
-        (fp32); return_streams also returns the final streams [B, T, n, d]."""
+        (fp32); return_streams also returns the final streams [B, T, n, d].
+
+        replay_window K (approximate, off by default; decoder-side SWA bounded replay,
+        docs/notes/v41.md): layers from replay_from (default replay_first_layer(cfg), the
+        first layer after the last kv source) run on the last min(K, T) positions only; their
+        window attention sees no row before the kept ones, their compressed rows, selections
+        and candidates are the earlier layers' (all positions). Returns the kept positions'
+        logits [B, min(K, T), vocab] (and streams). K >= T is the exact forward."""
         self._check_ids(input_ids)
         B, T = input_ids.shape
+        cut = len(self.layers)
+        if replay_window is not None:
+            if isinstance(replay_window, bool) or not isinstance(replay_window, int) or replay_window < 1:
+                raise ValueError(f"deepfuse: V4.1 forward: replay_window must be an int >= 1 or None, got "
+                                 f"{replay_window!r}")
+            cut = replay_first_layer(self.cfg) if replay_from is None else replay_from
+            if isinstance(cut, bool) or not isinstance(cut, int) or not 0 <= cut <= len(self.layers):
+                raise ValueError(f"deepfuse: V4.1 forward: replay_from must be an int in [0, "
+                                 f"{len(self.layers)}], got {cut!r}")
+            owners = [i for i in range(cut, len(self.layers)) if self.layers[i].attn.compressor is not None]
+            if owners:
+                raise ValueError(f"deepfuse: V4.1 forward: replay_from = {cut} keeps kv source layers {owners} "
+                                 f"on the replayed tail (their compressed rows need every position)")
+        elif replay_from is not None:
+            raise ValueError("deepfuse: V4.1 forward: replay_from needs replay_window")
         positions = torch.arange(T, device=input_ids.device)
         hashes = self.engram_hasher.hashes(input_ids) if self.engram_hasher is not None else None
         x = mhc.expand(self.embed(input_ids).to(self.dtype), self.cfg)
         pre = first_pre(x)
         shared: dict = {}
         for i, layer in enumerate(self.layers):
+            if i == cut:
+                x, pre, positions, hashes = _replay_tail(x, pre, positions, hashes, shared, min(replay_window, T))
             if layer.engram is not None:
                 x = layer.engram(x, hashes[:, self.cfg.engram_layer_ids.index(i)])
             x, pre = layer(x, pre, positions, self.ropes, shared)
+        if cut == len(self.layers) and replay_window is not None:
+            x, pre, positions, hashes = _replay_tail(x, pre, positions, hashes, shared, min(replay_window, T))
         logits = self.head(self.norm(hc_collapse(x, pre))).float()
         return (logits, x) if return_streams else logits
 
