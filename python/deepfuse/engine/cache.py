@@ -26,6 +26,7 @@ from deepfuse.step import LayerCacheView  # re-exported
 
 from .allocator import PageAllocator
 from .context import CacheGeometry
+from .sampler import to_device
 
 KV_DTYPES = ("auto", "fp8", "bf16")
 CPU_TOTAL_TOKENS = 1 << 17  # max_total_tokens on the CPU when not given
@@ -282,11 +283,13 @@ class CacheManager:
             self.journal.extend(self._pending)
         a = np.asarray(self._pending, dtype=np.int64)
         self._pending.clear()
-        for r, bt in self.block_tables.items():
-            m = a[a[:, 0] == r]
-            if len(m):
-                idx = torch.from_numpy(m[:, 1:]).to(self.device)
-                bt[idx[:, 0], idx[:, 1]] = idx[:, 2]
+        a = a[np.argsort(a[:, 0], kind="stable")]  # one upload, one contiguous run per ratio
+        idx = to_device(a[:, 1:], torch.int64, self.device)
+        bounds = np.searchsorted(a[:, 0], list(self.block_tables), side="left")
+        ends = np.searchsorted(a[:, 0], list(self.block_tables), side="right")
+        for (r, bt), lo, hi in zip(self.block_tables.items(), bounds.tolist(), ends.tolist()):
+            if hi > lo:
+                bt[idx[lo:hi, 0], idx[lo:hi, 1]] = idx[lo:hi, 2]
 
     # ------------------------------------------------------------------ prefix snapshots
     def _ring_rows(self):
@@ -298,13 +301,13 @@ class CacheManager:
 
     def _copy_window(self, src_page: int, src_rows, dst_page: int, dst_rows) -> None:
         dev = self.device
-        sr, dr = torch.as_tensor(src_rows, device=dev), torch.as_tensor(dst_rows, device=dev)
+        sr, dr = to_device(src_rows, torch.int64, dev), to_device(dst_rows, torch.int64, dev)
         for v in self._ring_rows():
             v[:, dst_page, dr] = v[:, src_page, sr]
 
     def _copy_states(self, r: int, src_rows, dst_rows) -> None:
         dev = self.device
-        sr, dr = torch.as_tensor(src_rows, device=dev), torch.as_tensor(dst_rows, device=dev)
+        sr, dr = to_device(src_rows, torch.int64, dev), to_device(dst_rows, torch.int64, dev)
         for (rr, _), pair in self.states.items():
             if rr == r:
                 for t in pair:

@@ -164,7 +164,7 @@ class GraphRunner:
             mtp = lambda: self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, out[1], nxt)  # noqa: E731
             gr.mtp = (self._capture(mtp), nxt, rows, self._outs)
             st = self._fused_inputs(bucket)
-            gr.fused = (self._capture(lambda: self._fused(hc, d, *st)), st, self._outs)
+            gr.fused = (self._capture(lambda: self._fused(hc, d, *st[:3])), st, self._outs)
         self.capture_s += time.perf_counter() - t0
         return gr
 
@@ -271,9 +271,11 @@ class GraphRunner:
     # ------------------------------------------------------------------ the greedy speculative step, fused
     def _fused_inputs(self, bucket: int) -> tuple:
         """Static inputs of a fused step: draft slots [bucket] (-1: no drafts), simulated
-        accepted lengths [bucket] and their switch [1] (the spec_simulate_acc_len knob)."""
-        z = lambda: torch.zeros(bucket, dtype=torch.int64, device=self.device)  # noqa: E731
-        return torch.full((bucket,), -1, dtype=torch.int64, device=self.device), z(), z()[:1]
+        accepted lengths [bucket] and their switch [1] (the spec_simulate_acc_len knob), views
+        of one buffer [2 * bucket + 1] (the last item)."""
+        buf = torch.zeros(2 * bucket + 1, dtype=torch.int64, device=self.device)  # one upload fills all three
+        buf[:bucket] = -1
+        return buf[:bucket], buf[bucket:2 * bucket], buf[2 * bucket:], buf
 
     def _fused(self, hc, d: list, slots: torch.Tensor, sim: torch.Tensor, use_sim: torch.Tensor):
         """The whole step of greedy requests from the static buffer: context, target forward,
@@ -309,20 +311,24 @@ class GraphRunner:
     def fused_ok(self, ctx: StepContext) -> bool:
         return self.mtp_graphs and ctx.graph is not None
 
-    def fused(self, ctx: StepContext, draft_slots: torch.Tensor, sim: Optional[torch.Tensor] = None):
-        """Run the fused greedy step whose buffer prepare filled (sim [B]: simulated accepted
-        lengths, or None) -> (tokens, emitted, accepted (real), drafts), first B rows
-        (copies: the graph's outputs are rewritten by its next replay)."""
+    def fused(self, ctx: StepContext, draft_slots: np.ndarray, sim: Optional[np.ndarray] = None):
+        """Run the fused greedy step whose buffer prepare filled (draft_slots [B] host, -1: no
+        drafts; sim [B] host: simulated accepted lengths, or None) -> (tokens, emitted,
+        accepted (real), drafts), first B rows (copies: the graph's outputs are rewritten by
+        its next replay)."""
         g = ctx.graph
-        B = ctx.num_reqs
+        B, n = ctx.num_reqs, g.pad.reqs
         if g.fused is None:
-            g.fused = (None, self._fused_inputs(g.pad.reqs), None)
-        graph, (slots, g_sim, use_sim), outs = g.fused
-        slots[:B].copy_(draft_slots)
-        slots[B:].fill_(-1)
-        use_sim.fill_(int(sim is not None))
+            g.fused = (None, self._fused_inputs(n), None)
+        graph, (slots, g_sim, use_sim, buf), outs = g.fused
+        host = np.zeros(2 * n + 1, np.int64)  # the static inputs' storage: slots, sim, switch
+        host[:n] = -1
+        host[:B] = draft_slots
         if sim is not None:
-            g_sim[:B].copy_(sim)
+            host[n:n + B] = sim
+            host[2 * n] = 1
+        src = torch.from_numpy(host)
+        buf.copy_(src.pin_memory() if buf.is_cuda else src, non_blocking=True)  # pinned: no wait on the stream
         if graph is not None:
             graph.replay()
         else:

@@ -294,8 +294,7 @@ class ModelRunner:
         if L.fused:
             self.fused_steps += 1
             sim = self.spec.simulated_lengths(b.verified)
-            tokens, emitted, accepted, drafts = self.graphs.fused(
-                ctx, to_device(b.draft_slots, torch.int64, dev), None if sim is None else to_device(sim, torch.int64, dev))
+            tokens, emitted, accepted, drafts = self.graphs.fused(ctx, b.draft_slots, sim)
             res = StepResult(b, ctx, tokens, emitted, accepted, drafts=drafts)
             self._copy_out(res, [("tokens", tokens), ("num_emitted", emitted), ("accepted", accepted)])
             if self.spec.force_drafts is not None:
