@@ -282,3 +282,28 @@ def test_verify_lengths_errors():
         verify_lengths(c, 0.5, mode="tree")
     with pytest.raises(ValueError, match="confidence must be"):
         verify_lengths(c[0], 0.5)
+
+
+def test_capture_in_engine_steps(model):
+    """capture_target_inputs records the same target features in engine steps (two chunks
+    through V41CacheManager) as in the full forward, and leaves the model as it was."""
+    from deepfuse.engine.request import Request, SamplingParams
+    from deepfuse.engine.v41_cache import V41CacheManager
+    from test_v41_step import one_step
+
+    cfg = model.cfg
+    d = DSparkDrafter(model)
+    ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    cache = V41CacheManager(cfg, model_dtype=model.dtype, device="cpu", kv_dtype="auto", max_num_seqs=2,
+                            max_num_batched_tokens=64, max_total_tokens=256, max_model_len=64, page_size=16)
+    req, rc = Request("0", ids, SamplingParams(), 0, 0), cache.admit()
+    with capture_target_inputs(model) as cap:
+        one_step(model, cache, req, rc, 0, 5)
+        first = d.main_hidden(cap)[0]
+        one_step(model, cache, req, rc, 5, 4)
+        second = d.main_hidden(cap)[0]
+        model(torch.tensor([ids]))
+        full = d.main_hidden(cap)[0]
+    torch.testing.assert_close(torch.cat([first, second]), full, rtol=1e-4, atol=1e-4)
+    for i in cfg.dspark_target_layer_ids:
+        assert "step" not in model.layers[i].__dict__ and not model.layers[i]._forward_pre_hooks
