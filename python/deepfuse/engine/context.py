@@ -40,24 +40,26 @@ class _Upload:
         """-> views of the device copy, one per array; out: a device buffer to copy into (a
         captured graph's static buffer) instead of a new tensor."""
         sizes = [a.size for a in arrays]
-        host = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int64, copy=False)
+        total = sum(sizes)
+        flat = [a.reshape(-1) for a in arrays]
         if out is not None:
-            out = out[:host.size]
+            out = out[:total]
         if device.type == "cuda":
             buf = self._pinned.get(device)
-            if buf is None or buf.numel() < host.size:
-                buf = self._pinned[device] = torch.empty(max(host.size, 1 << 16) * 2, dtype=torch.int64,
+            if buf is None or buf.numel() < total:
+                buf = self._pinned[device] = torch.empty(max(total, 1 << 16) * 2, dtype=torch.int64,
                                                          pin_memory=True)
             ev = self._done.get(device)
             if ev is not None:
                 ev.synchronize()  # the previous step's copy has left the staging buffer
-            staged = buf[:host.size]
-            staged.numpy()[:] = host
+            staged = buf[:total]
+            np.concatenate(flat, out=staged.numpy(), casting="unsafe")  # packed straight into the staging buffer
             dev = staged.to(device, non_blocking=True) if out is None else out.copy_(staged, non_blocking=True)
             ev = self._done[device] = torch.cuda.Event()
             ev.record()
         else:
-            dev = torch.from_numpy(host) if out is None else out.copy_(torch.from_numpy(host))
+            host = torch.from_numpy(np.concatenate(flat).astype(np.int64, copy=False))
+            dev = host if out is None else out.copy_(host)
         out, o = [], 0
         for a, n in zip(arrays, sizes):
             out.append(dev[o:o + n].view(a.shape))

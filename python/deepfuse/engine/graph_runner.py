@@ -281,7 +281,8 @@ class GraphRunner:
         """The whole step of greedy requests from the static buffer: context, target forward,
         acceptance (the longest prefix of drafts equal to the argmax), the emitted tokens, the
         MTP pass on them and the k - 1 chained drafts (argmax), all static shapes ->
-        (tokens [bucket, k + 1], emitted [bucket], accepted [bucket], drafts [bucket, k]).
+        (tokens [bucket, k + 1], emitted [bucket], accepted [bucket], drafts [bucket, k], flat):
+        the first four are views of flat (one buffer: one copy takes them all).
         The same arithmetic as ModelRunner.finish / _draft for such a step."""
         m, cache, geom = self.model, self.cache, self.cache.geometry
         ctx = device_context(hc, d, geom, cache.block_tables, self.device)
@@ -306,7 +307,14 @@ class GraphRunner:
             drafts.append(lg.argmax(-1))
         out = torch.zeros(Bk, self.k + 1, dtype=torch.int64, device=self.device)
         out[:, :T] = tokens
-        return out, a + 1, acc, torch.stack(drafts, 1)
+        flat = torch.cat([out.reshape(-1), a + 1, acc, torch.stack(drafts, 1).reshape(-1)])
+        return self._unpack(flat, Bk)
+
+    def _unpack(self, flat: torch.Tensor, n: int) -> tuple:
+        """flat [n * (2k + 3)] -> (tokens [n, k + 1], emitted [n], accepted [n], drafts [n, k], flat)."""
+        K = self.k + 1
+        o = n * K
+        return flat[:o].view(n, K), flat[o:o + n], flat[o + n:o + 2 * n], flat[o + 2 * n:].view(n, self.k), flat
 
     def fused_ok(self, ctx: StepContext) -> bool:
         return self.mtp_graphs and ctx.graph is not None
@@ -314,8 +322,8 @@ class GraphRunner:
     def fused(self, ctx: StepContext, draft_slots: np.ndarray, sim: Optional[np.ndarray] = None):
         """Run the fused greedy step whose buffer prepare filled (draft_slots [B] host, -1: no
         drafts; sim [B] host: simulated accepted lengths, or None) -> (tokens, emitted,
-        accepted (real), drafts), first B rows (copies: the graph's outputs are rewritten by
-        its next replay)."""
+        accepted (real), drafts, flat), first B rows of one copy (flat: the four's storage; the
+        graph's outputs are rewritten by its next replay)."""
         g = ctx.graph
         B, n = ctx.num_reqs, g.pad.reqs
         if g.fused is None:
@@ -334,7 +342,8 @@ class GraphRunner:
         else:
             with torch.no_grad():
                 outs = self._fused(g.hc, g.d, slots, g_sim, use_sim)
-        return tuple(t[:B].clone() for t in outs)
+        t, e, a, d, flat = self._unpack(outs[4].clone(), n)
+        return t[:B], e[:B], a[:B], d[:B], flat
 
     # ------------------------------------------------------------------ chained draft steps
     def chain_ok(self, B: int) -> bool:

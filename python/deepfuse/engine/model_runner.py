@@ -231,7 +231,8 @@ class ModelRunner:
                 g[2].append(i)
             for src, rows, idx in groups.values():
                 src = prev.tokens[:, 0] if src is None else src.reshape(-1)
-                ctx.input_ids[to_device(rows, torch.int64, self.device)] = src[to_device(idx, torch.int64, self.device)]
+                ri = to_device(rows + idx, torch.int64, self.device)  # one upload: rows, then indices
+                ctx.input_ids[ri[:len(rows)]] = src[ri[len(rows):]]
         self.last_prepare_s = time.perf_counter() - t0
         return ctx
 
@@ -294,9 +295,12 @@ class ModelRunner:
         if L.fused:
             self.fused_steps += 1
             sim = self.spec.simulated_lengths(b.verified)
-            tokens, emitted, accepted, drafts = self.graphs.fused(ctx, b.draft_slots, sim)
+            tokens, emitted, accepted, drafts, flat = self.graphs.fused(ctx, b.draft_slots, sim)
             res = StepResult(b, ctx, tokens, emitted, accepted, drafts=drafts)
-            self._copy_out(res, [("tokens", tokens), ("num_emitted", emitted), ("accepted", accepted)])
+            self._copy_out(res, [("flat", flat)])  # one copy; the host views follow the device ones
+            h = res.host.pop()[1]
+            res.host += [(n, h[t.storage_offset():t.storage_offset() + t.numel()].view(t.shape))
+                         for n, t in (("tokens", tokens), ("num_emitted", emitted), ("accepted", accepted))]
             if self.spec.force_drafts is not None:
                 self._copy_out(res, [("drafts", drafts)])
             return res
