@@ -36,9 +36,9 @@ class _Upload:
         self._done: dict[torch.device, torch.cuda.Event] = {}
 
     def __call__(self, arrays: list[np.ndarray], device: torch.device,
-                 out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                 out: Optional[torch.Tensor] = None) -> Optional[list[torch.Tensor]]:
         """-> views of the device copy, one per array; out: a device buffer to copy into (a
-        captured graph's static buffer) instead of a new tensor."""
+        captured graph's static buffer) instead of a new tensor (-> None: its views exist)."""
         sizes = [a.size for a in arrays]
         total = sum(sizes)
         flat = [a.reshape(-1) for a in arrays]
@@ -60,6 +60,8 @@ class _Upload:
         else:
             host = torch.from_numpy(np.concatenate(flat).astype(np.int64, copy=False))
             dev = host if out is None else out.copy_(host)
+        if out is not None:
+            return None
         out, o = [], 0
         for a, n in zip(arrays, sizes):
             out.append(dev[o:o + n].view(a.shape))
@@ -108,7 +110,12 @@ class HostContext:
 
 
 def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
-    return np.concatenate([x, np.full(n - len(x), value, dtype=x.dtype)]) if n > len(x) else x
+    if n <= len(x):
+        return x
+    y = np.empty(n, x.dtype)
+    y[:len(x)] = x
+    y[len(x):] = value
+    return y
 
 
 def host_context(input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: np.ndarray,

@@ -31,6 +31,7 @@ On the CPU (no graphs) the same padded static steps run eagerly: tests of the pa
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Optional
@@ -229,8 +230,10 @@ class GraphRunner:
         hc = host_context(ids, starts, counts, slots, num_logits, self.cache.geometry, self.cache.host_block_tables,
                           pad=g.pad)
         upload(hc.arrays, self.device, out=g.buf)  # pinned staging, stream-ordered after the step in flight
-        return replace(g.ctx, num_tokens=int(counts.sum()), num_reqs=len(counts), starts=hc.starts, counts=hc.counts,
-                       logits_req=hc.logits_req, num_logits=hc.num_logits, graph=g)
+        ctx = copy.copy(g.ctx)  # dataclasses.replace without its __init__ (no __post_init__)
+        ctx.num_tokens, ctx.num_reqs, ctx.graph = int(counts.sum()), len(counts), g
+        ctx.starts, ctx.counts, ctx.logits_req, ctx.num_logits = hc.starts, hc.counts, hc.logits_req, hc.num_logits
+        return ctx
 
     def run(self, ctx: StepContext):
         """Replay (or, on the CPU, run the padded step) -> logits [R, V] (and streams [N, hc, d])."""
