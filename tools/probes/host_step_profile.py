@@ -1,8 +1,9 @@
 """Host time of one engine decode step on the CPU (the tiny model, padded graph steps run
 eagerly, overlap on): the step's wall time minus the time inside the model's compute (the
 fused step, the target / MTP / chain forwards and the padded context expansion, which a
-graph replay does on the GPU). Prints mean host ms per step and cProfile's top functions (of the host
-work only: the profiler is off inside the compute).
+graph replay does on the GPU, and every argmax: the sampler's greedy draw is a kernel there).
+Prints mean host ms per step and cProfile's top functions (of the host work only: the
+profiler is off inside the compute).
 
     PYTHONPATH=python:tests .venv/bin/python tools/probes/host_step_profile.py --batches 1 8 --spec 0 3
 """
@@ -51,6 +52,7 @@ def _instrument(model):
     gr_mod.GraphRunner._fused = _timed(gr_mod.GraphRunner._fused)
     gr_mod.GraphRunner._chain_fn = _timed(gr_mod.GraphRunner._chain_fn)
     gr_mod.device_context = _timed(ctx_mod.device_context)
+    torch.Tensor.argmax = _timed(torch.Tensor.argmax)  # the sampler's greedy draw: a kernel on the GPU
 
 
 def run(model, B: int, k: int, steps: int, acc: float, profile: bool, top: int):
