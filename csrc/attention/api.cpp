@@ -18,14 +18,6 @@ constexpr int64_t kFp8RowBytes = 584;    // FP8 row: 576 data + 8 scale bytes (k
 constexpr int64_t kPageAlignRows = 16;   // kv_format.PAGE_ALIGN_ROWS
 constexpr int64_t kMaxInt = 0x7fffffff;
 
-[[noreturn]] void bad_scalar(const char* op, const char* name, const std::string& what) {
-  throw std::invalid_argument(std::string("deepfuse.") + op + ": argument '" + name + "' " + what);
-}
-
-// Check::contiguous, except that a tensor without elements passes: torch strides a [n, 0]
-// tensor (1, 1), which TensorArg::is_contiguous does not take as row-major.
-Check& dense(Check& c, const TensorArg& t) { return t.defined() && t.numel() == 0 ? c : c.contiguous(); }
-
 struct SourceNames {
   const char* cache;
   const char* index;
@@ -59,7 +51,7 @@ AttnSource key_source(const char* op, SourceNames n, const TensorArg& cache, con
   s.num_slots = cache.size(0) * s.page_size;
   if (s.num_slots > kMaxInt) Check(op, n.cache, cache).fail("must have < 2^31 slots");
   s.base = cache.ptr<const uint8_t>();
-  dense(Check(op, n.index, index).dtype({DType::kI32, DType::kI64}).shape({T, -1}), index);
+  Check(op, n.index, index).dtype({DType::kI32, DType::kI64}).shape({T, -1}).contiguous();
   if (index.size(1) > kMaxInt) Check(op, n.index, index).fail("must have < 2^31 columns");
   s.idx = index.data;
   s.idx64 = index.dtype == DType::kI64 ? 1 : 0;
@@ -105,10 +97,10 @@ void sparse_attention_paged(const TensorArg& q, const TensorArg& kv, const Tenso
 
   int64_t rope_pairs = 0;
   if (cos.defined()) {
-    dense(Check(op, "cos", cos).dtype(DType::kF32).dim(2).size(0, T), cos);
+    Check(op, "cos", cos).dtype(DType::kF32).dim(2).size(0, T).contiguous();
     rope_pairs = cos.size(1);
     if (2 * rope_pairs > kDim) Check(op, "cos", cos).fail("must have at most 256 columns (R / 2 with R <= 512)");
-    dense(Check(op, "sin", sin).dtype(DType::kF32).shape({T, rope_pairs}), sin);
+    Check(op, "sin", sin).dtype(DType::kF32).shape({T, rope_pairs}).contiguous();
   } else if (sin.defined()) {
     Check(op, "sin", sin).fail("must be None without cos");
   }
@@ -125,15 +117,15 @@ void sparse_attention_paged(const TensorArg& q, const TensorArg& kv, const Tenso
   Check(op, "lse", lse).dtype(DType::kF32).shape({T, H}).contiguous();
 
   if (group_rows != 1 && group_rows != 2 && group_rows != 4)
-    bad_scalar(op, "group_rows", "must be 1, 2 or 4 (got " + std::to_string(group_rows) + ")");
+    arg_error(op, "group_rows", "must be 1, 2 or 4 (got " + std::to_string(group_rows) + ")");
   if (splits < 1 || splits > 65535)
-    bad_scalar(op, "splits", "must be in [1, 65535] (got " + std::to_string(splits) + ")");
+    arg_error(op, "splits", "must be in [1, 65535] (got " + std::to_string(splits) + ")");
   if (splits > 1) {
     Check(op, "ws_o", ws_o).defined();
     Check(op, "ws_ml", ws_ml).defined();
   }
-  dense(Check(op, "ws_o", ws_o).optional().dtype(DType::kF32).shape({splits, T, H, kDim}), ws_o);
-  dense(Check(op, "ws_ml", ws_ml).optional().dtype(DType::kF32).shape({splits, T, H, 2}), ws_ml);
+  Check(op, "ws_o", ws_o).optional().dtype(DType::kF32).shape({splits, T, H, kDim}).contiguous();
+  Check(op, "ws_ml", ws_ml).optional().dtype(DType::kF32).shape({splits, T, H, 2}).contiguous();
 
   check_same_cuda_device(op, {{"q", q}, {"kv", kv}, {"indices", indices}, {"lengths", lengths},
                               {"extra_kv", extra_kv}, {"extra_indices", extra_indices},
@@ -168,13 +160,13 @@ void sparse_attention_paged(const TensorArg& q, const TensorArg& kv, const Tenso
 // in groups of group_rows rows, on CUDA device `device` (-1: the current one). Host only.
 py::dict sparse_attention_plan(int64_t T, int64_t H, int64_t K_total, int group_rows, int device) {
   const char* op = "sparse_attention_plan";
-  if (T < 0 || T > kMaxInt) bad_scalar(op, "T", "must be in [0, 2^31) (got " + std::to_string(T) + ")");
-  if (H < 1 || H > kMaxInt) bad_scalar(op, "H", "must be in [1, 2^31) (got " + std::to_string(H) + ")");
+  if (T < 0 || T > kMaxInt) arg_error(op, "T", "must be in [0, 2^31) (got " + std::to_string(T) + ")");
+  if (H < 1 || H > kMaxInt) arg_error(op, "H", "must be in [1, 2^31) (got " + std::to_string(H) + ")");
   if (K_total < 0 || K_total > kMaxInt)
-    bad_scalar(op, "K_total", "must be in [0, 2^31) (got " + std::to_string(K_total) + ")");
+    arg_error(op, "K_total", "must be in [0, 2^31) (got " + std::to_string(K_total) + ")");
   if (group_rows != 1 && group_rows != 2 && group_rows != 4)
-    bad_scalar(op, "group_rows", "must be 1, 2 or 4 (got " + std::to_string(group_rows) + ")");
-  if (device < -1) bad_scalar(op, "device", "must be a CUDA ordinal or -1 (got " + std::to_string(device) + ")");
+    arg_error(op, "group_rows", "must be 1, 2 or 4 (got " + std::to_string(group_rows) + ")");
+  if (device < -1) arg_error(op, "device", "must be a CUDA ordinal or -1 (got " + std::to_string(device) + ")");
   int prev = -1;
   if (device >= 0) {
     check_cuda(cudaGetDevice(&prev), "cudaGetDevice");

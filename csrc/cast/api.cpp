@@ -13,8 +13,7 @@ ScaleKind scale_kind(const char* op, const std::string& fmt) {
   if (fmt == "fp32") return ScaleKind::kFp32;
   if (fmt == "ue8m0") return ScaleKind::kUe8m0;
   if (fmt == "ue8m0_packed") return ScaleKind::kUe8m0Packed;
-  throw std::invalid_argument(std::string("deepfuse.") + op + ": argument 'scale_fmt' must be fp32, ue8m0 or "
-                              "ue8m0_packed (got " + fmt + ")");
+  arg_error(op, "scale_fmt", "must be fp32, ue8m0 or ue8m0_packed (got " + fmt + ")");
 }
 
 // x [M, K] (rows may be strided) -> q e4m3 [M, K], scale per `group` values of a row.
@@ -25,7 +24,7 @@ void fp8_group_cast(const TensorArg& x, const TensorArg& q, const TensorArg& sca
   Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).dim(2).inner_contiguous().stride_aligned(0, 16).aligned(16);
   const int64_t M = x.size(0), K = x.size(1);
   if (group != 32 && group != 64 && group != 128)
-    throw std::invalid_argument("deepfuse.fp8_group_cast: argument 'group' must be 32, 64 or 128");
+    arg_error(op, "group", "must be 32, 64 or 128");
   const int64_t G = (K + group - 1) / group;
   Check(op, "q", q).dtype(DType::kF8E4M3).shape({M, K}).contiguous();
   int64_t scale_ld = 0;

@@ -177,10 +177,11 @@ std::string TensorArg::describe() const {
   return o.str();
 }
 
-void Check::fail(const std::string& what) const {
-  throw std::invalid_argument(std::string("deepfuse.") + op_ + ": argument '" + name_ + "' " + what + " (got " +
-                              t_.describe() + ")");
+void arg_error(const char* op, const char* name, const std::string& what) {
+  throw std::invalid_argument(std::string("deepfuse.") + op + ": argument '" + name + "' " + what);
 }
+
+void Check::fail(const std::string& what) const { arg_error(op_, name_, what + " (got " + t_.describe() + ")"); }
 
 Check& Check::defined() {
   if (!t_.defined()) fail("is required");

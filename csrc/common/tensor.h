@@ -42,6 +42,10 @@ struct TensorArg {
   std::string describe() const;  // "bfloat16[4, 8] on cuda:0"
 };
 
+// The error of a bad argument (tensor or scalar): std::invalid_argument (ValueError in Python)
+// "deepfuse.<op>: argument '<name>' <what>".
+[[noreturn]] void arg_error(const char* op, const char* name, const std::string& what);
+
 // Fluent checks with errors naming the op and the argument:
 //   Check("fp8_linear", "x", x).cuda().dtype({DType::kBF16, DType::kF8E4M3}).dim(2).size(1, K);
 // Errors are std::invalid_argument (ValueError in Python). optional(): a None argument passes

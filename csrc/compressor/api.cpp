@@ -50,7 +50,7 @@ void compress_store(const TensorArg& kv, const TensorArg& score, const TensorArg
   Check(op, "src_is_fresh", src_is_fresh).dtype(DType::kBool).shape({nb, L}).contiguous();
   Check(op, "src_valid", src_valid).dtype(DType::kBool).shape({nb, L}).contiguous();
   Check(op, "norm_weight", norm_weight).optional().dtype(DType::kF32).shape({D}).contiguous().aligned(16);
-  if (!(eps > 0)) throw std::invalid_argument("deepfuse.compress_store: argument 'eps' must be > 0");
+  if (!(eps > 0)) arg_error(op, "eps", "must be > 0");
   Check(op, "cos", cos).optional().dtype(DType::kF32).shape({nb, -1}).contiguous();
   const int64_t half = cos.defined() ? cos.size(1) : 0;
   if (2 * half > D) Check(op, "cos", cos).fail("must have at most D / 2 = " + std::to_string(D / 2) + " columns");

@@ -11,9 +11,6 @@ namespace api {
 
 namespace {
 constexpr int64_t kRowBytes = kIndexerDim + 4;  // 128 e4m3 codes + fp32 scale (kv_format.IDX_ROW_BYTES)
-// Check::contiguous, except that a tensor without elements passes: torch strides a [n, 0]
-// tensor (1, 1), which TensorArg::is_contiguous does not take as row-major.
-Check& dense(Check& c, const TensorArg& t) { return t.numel() == 0 ? c : c.contiguous(); }
 }  // namespace
 
 // out fp32 [N, C] = scores of q bf16 [N, 64, 128] (head weights fp32 [N, 64]) against key e of
@@ -39,7 +36,7 @@ void indexer_logits_paged(const TensorArg& q, const TensorArg& weights, const Te
   if (C > 0x7fffffff) Check(op, "entry_slots", entry_slots).fail("must have < 2^31 columns");
   Check(op, "token_req", token_req).dtype(DType::kI64).shape({N}).contiguous();
   Check(op, "n_vis", n_vis).dtype(DType::kI32).shape({N}).contiguous();
-  dense(Check(op, "out", out).dtype(DType::kF32).shape({N, C}), out);
+  Check(op, "out", out).dtype(DType::kF32).shape({N, C}).contiguous();
   check_same_cuda_device(op, {{"q", q}, {"weights", weights}, {"pages", pages}, {"entry_slots", entry_slots},
                               {"token_req", token_req}, {"n_vis", n_vis}, {"out", out}});
   if (N == 0 || C == 0) return;

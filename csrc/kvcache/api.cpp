@@ -88,7 +88,7 @@ void kv_store(const TensorArg& kv, const TensorArg& cache, const TensorArg& inde
   if (positions.defined()) {
     Check(op, "index", index).dtype({DType::kI32, DType::kI64}).shape({T}).contiguous();
     Check(op, "positions", positions).dtype({DType::kI32, DType::kI64}).shape({T}).contiguous();
-    if (window <= 0) throw std::invalid_argument("deepfuse.kv_store: argument 'window' must be positive");
+    if (window <= 0) arg_error(op, "window", "must be positive");
     if (p.page_size < window)
       Check(op, "cache", cache).fail("must hold window = " + std::to_string(window) + " rows per ring page");
   } else {
@@ -108,8 +108,7 @@ void indexer_key_store(const TensorArg& k, const TensorArg& cache, const TensorA
                        const std::string& scale_fmt) {
   const char* op = "indexer_key_store";
   if (scale_fmt != "fp32" && scale_fmt != "ue8m0")
-    throw std::invalid_argument("deepfuse.indexer_key_store: argument 'scale_fmt' must be fp32 or ue8m0 (got " +
-                                scale_fmt + ")");
+    arg_error(op, "scale_fmt", "must be fp32 or ue8m0 (got " + scale_fmt + ")");
   check_rows(op, "k", k, kIdxDim);
   const int64_t L = k.size(0), T = k.size(1);
   const Pages p = pages_of(op, "cache", cache, kIdxDim, kIdxRowBytes);
@@ -169,7 +168,7 @@ void kv_window_copy(const TensorArg& src_cache, const TensorArg& src_index, cons
   const char* op = "kv_window_copy";
   Check(op, "lengths", lengths).dtype({DType::kI32, DType::kI64}).dim(1).contiguous();
   const int64_t B = lengths.size(0);
-  if (window <= 0) throw std::invalid_argument("deepfuse.kv_window_copy: argument 'window' must be positive");
+  if (window <= 0) arg_error(op, "window", "must be positive");
   const Pages sp = pages_of(op, "src_cache", src_cache, kKvDim, kKvRowBytes);
   const Pages dp = pages_of(op, "dst_cache", dst_cache, kKvDim, kKvRowBytes);
   const int64_t L = src_cache.size(0);

@@ -61,7 +61,7 @@ void hc_mix(const TensorArg& x, const TensorArg& fn, const TensorArg& scale, con
   if (!head) {
     check_like(op, "post", post, DType::kF32, x, {4});
     check_like(op, "comb", comb, DType::kF32, x, {4, 4});
-    if (iters < 1) throw std::invalid_argument("deepfuse.hc_mix: argument 'iters' must be >= 1");
+    if (iters < 1) arg_error(op, "iters", "must be >= 1");
   }
   Check(op, "part", part).dtype(DType::kF32).dim(1).contiguous().aligned(16);
   check_same_cuda_device(op, {{"x", x}, {"fn", fn}, {"scale", scale}, {"base", base}, {"y", y}, {"post", post},

@@ -14,9 +14,6 @@ constexpr int64_t kRouteMaxE = 1024, kRouteMaxK = 32;  // csrc/moe/moe_route.cu
 constexpr int64_t kMaxExperts = 2046;                   // routed + shared (csrc/moe/moe_experts.cu)
 constexpr int64_t kMaxDim = 8192;                       // d and inter
 
-[[noreturn]] void bad_arg(const char* op, const char* name, const std::string& what) {
-  throw std::invalid_argument(std::string("deepfuse.") + op + ": argument '" + name + "' " + what);
-}
 
 int64_t ceil128(int64_t n) { return (n + 127) / 128; }
 
@@ -24,7 +21,7 @@ ScoreFunc score_func_of(const char* op, const std::string& s) {
   if (s == "sqrtsoftplus") return ScoreFunc::kSqrtSoftplus;
   if (s == "sigmoid") return ScoreFunc::kSigmoid;
   if (s == "softmax") return ScoreFunc::kSoftmax;
-  bad_arg(op, "score_func", "must be sqrtsoftplus, sigmoid or softmax (got " + s + ")");
+  arg_error(op, "score_func", "must be sqrtsoftplus, sigmoid or softmax (got " + s + ")");
 }
 
 // One projection of E stacked experts, logical [E, N, K]: fp8 e4m3 [E, N, K] with block scales
@@ -84,11 +81,11 @@ void moe_route(const TensorArg& logits, const TensorArg& bias, const TensorArg& 
 
 int64_t moe_workspace_bytes(int64_t T, int64_t d, int64_t inter, int64_t E, int64_t k, bool shared) {
   const char* op = "moe_workspace_bytes";
-  if (T < 0) bad_arg(op, "T", "must be >= 0");
-  if (d < 1 || d > kMaxDim) bad_arg(op, "d", "must be in [1, 8192]");
-  if (inter < 1 || inter > kMaxDim) bad_arg(op, "inter", "must be in [1, 8192]");
-  if (E < 1 || E + shared > kMaxExperts) bad_arg(op, "E", "must be >= 1 with E (+ 1 shared) <= 2046");
-  if (k < 1) bad_arg(op, "k", "must be >= 1");
+  if (T < 0) arg_error(op, "T", "must be >= 0");
+  if (d < 1 || d > kMaxDim) arg_error(op, "d", "must be in [1, 8192]");
+  if (inter < 1 || inter > kMaxDim) arg_error(op, "inter", "must be in [1, 8192]");
+  if (E < 1 || E + shared > kMaxExperts) arg_error(op, "E", "must be >= 1 with E (+ 1 shared) <= 2046");
+  if (k < 1) arg_error(op, "k", "must be >= 1");
   MoeProblem p;
   p.T = static_cast<int>(T), p.d = static_cast<int>(d), p.inter = static_cast<int>(inter);
   p.E = static_cast<int>(E), p.k = static_cast<int>(k), p.has_shared = shared;

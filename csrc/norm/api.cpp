@@ -55,7 +55,7 @@ void norm_rope(const TensorArg& x, const TensorArg& y, bool norm, const TensorAr
     Check(op, "sin", sin).fail("must be None when cos is");
   }
   Check(op, "weight", weight).optional().dtype(DType::kF32).shape({D}).contiguous().aligned(16);
-  if (norm && !(eps > 0)) throw std::invalid_argument("deepfuse.norm_rope: argument 'eps' must be > 0");
+  if (norm && !(eps > 0)) arg_error(op, "eps", "must be > 0");
   Check cy(op, "y", y);
   cy.optional().dtype(DType::kBF16).dim(x.ndim).contiguous().aligned(16);
   if (y.defined() && !same_lead(y, x, x.ndim)) cy.fail("must have x's shape");

@@ -26,13 +26,11 @@ inline RowStoreArgs row_store(const char* op, const std::string& store, const Te
   } else if (store == "dense") {
     s.kind = RowStore::kDense;
   } else {
-    throw std::invalid_argument(std::string("deepfuse.") + op + ": argument 'store' must be none, kv_fp8, idx_fp8, "
-                                "idx_fp8_ue8m0 or dense (got " + store + ")");
+    arg_error(op, "store", "must be none, kv_fp8, idx_fp8, idx_fp8_ue8m0 or dense (got " + store + ")");
   }
   if ((want_D && D != want_D) || (!want_D && D > 512))
-    throw std::invalid_argument(std::string("deepfuse.") + op + ": argument 'store' " + store + " takes rows of " +
-                                (want_D ? std::to_string(want_D) : std::string("<= 512")) + " values (got " +
-                                std::to_string(D) + ")");
+    arg_error(op, "store", store + " takes rows of " + (want_D ? std::to_string(want_D) : std::string("<= 512")) +
+                               " values (got " + std::to_string(D) + ")");
   Check c(op, "pages", pages);
   if (s.kind == RowStore::kDense) {
     c.dtype(DType::kBF16).shape({-1, -1, D}).contiguous().aligned(16);

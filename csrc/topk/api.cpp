@@ -17,8 +17,7 @@ TopkDtype topk_dtype(const char* op, const char* name, DType d) {
     case DType::kF16: return TopkDtype::kF16;
     case DType::kF32: return TopkDtype::kF32;
     default:
-      throw std::invalid_argument(std::string("deepfuse.") + op + ": argument '" + name +
-                                  "' must be bfloat16, float16 or float32 (got " + dtype_name(d) + ")");
+      arg_error(op, name, std::string("must be bfloat16, float16 or float32 (got ") + dtype_name(d) + ")");
   }
 }
 
@@ -36,7 +35,7 @@ void topk(const TensorArg& x, int k, const TensorArg& lengths, const TensorArg& 
   if (N >= (int64_t{1} << 31)) Check(op, "x", x).fail("must have fewer than 2^31 columns");
   if (B > 1 && x.strides(0) < 0) Check(op, "x", x).fail("must have a non-negative row stride");
   if (k < 1 || k > kTopkMaxK)
-    throw std::invalid_argument("deepfuse.topk: argument 'k' must be in [1, 4096] (got " + std::to_string(k) + ")");
+    arg_error(op, "k", "must be in [1, 4096] (got " + std::to_string(k) + ")");
   Check(op, "lengths", lengths).optional().dtype(DType::kI32).shape({B}).contiguous();
   Check(op, "indices", indices).dtype({DType::kI32, DType::kI64}).shape({B, k}).contiguous();
   const bool idx64 = indices.dtype == DType::kI64;
@@ -78,8 +77,7 @@ py::tuple topk_plan(const std::string& dtype, int64_t B, int64_t N, int k, bool 
   if (dtype == "bfloat16") d = TopkDtype::kBf16;
   else if (dtype == "float16") d = TopkDtype::kF16;
   else if (dtype == "float32") d = TopkDtype::kF32;
-  else throw std::invalid_argument("deepfuse.topk_plan: argument 'dtype' must be bfloat16, float16 or float32 (got " +
-                                   dtype + ")");
+  else arg_error("topk_plan", "dtype", "must be bfloat16, float16 or float32 (got " + dtype + ")");
   if (device < 0) check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
