@@ -276,3 +276,61 @@ def decode_context(input_ids: torch.Tensor, positions: torch.Tensor, slots: torc
     ones = np.ones(B, np.int64)
     hc = HostContext([], B, B, plan_host, np.zeros(B, np.int64), ones, np.arange(B, dtype=np.int64), ones)
     return device_context(hc, d, geom, block_tables, dev)
+
+
+def verify_arrays(input_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, T: int, geom: CacheGeometry,
+                  block_tables: dict[int, torch.Tensor], blocks: Optional[tuple[int, ...]] = None) -> list[torch.Tensor]:
+    """host_context's arrays of a uniform step (T tokens and T logits rows per request)
+    computed on the device from device starts: what a speculative step launched before the
+    previous step's acceptance is read back needs (its positions depend on that
+    acceptance). input_ids [B * T], starts / slots [B] int64 device tensors (slot -1: a pad
+    request, start 0). Each request owns ceil(T / r) potential compressed blocks per
+    schedule (those past its last complete block are pad blocks: slot -1, no valid source);
+    blocks: pad each schedule's block arrays to that many (a graph's Padding.blocks). Same
+    layout and values as host_context(pad=...) for the same step: the arrays fill a
+    graph's static buffer. Static shapes, no host sync."""
+    B = starts.shape[0]
+    dev = starts.device
+    N = B * T
+    live = slots >= 0
+    token_req = _arange(N, dev) // T
+    positions = (starts[:, None] + _arange(T, dev)[None, :]).reshape(-1)
+    tok_slot, tok_start = slots[token_req], starts[token_req]
+    tok_end = tok_start + T
+    Wr, Wp = geom.ring_rows, geom.ring_page_rows
+    ring = torch.where((positions >= tok_end - Wr) & (tok_slot >= 0), tok_slot * Wp + positions.remainder(Wr), -1)
+    out = [input_ids, positions, token_req, slots, _arange(N, dev), tok_start, tok_slot, ring]
+    ps = geom.page_size
+    cu = _arange(B, dev) * T
+    for i, (r, overlap) in enumerate(geom.schedules):
+        Rs = (2 * r if overlap else r) + geom.state_extra
+        L = 2 * r if overlap else r
+        n_ent = torch.where(live, (starts + T) // r, 0)
+        bidx = torch.where(live, starts // r, 0)[:, None] + _arange(-(-T // r), dev)[None, :]  # [B, m]
+        ok = bidx < n_ent[:, None]
+        bt = block_tables[r]
+        page = bt[slots.clamp(min=0)[:, None], (bidx // ps).clamp(0, bt.shape[1] - 1)]
+        cols = [torch.where(ok, bidx * r, 0), torch.where(ok, page * ps + bidx.remainder(ps), -1),
+                torch.where(ok, bidx * r - (r if overlap else 0), -L), torch.where(ok, starts[:, None], 0),
+                torch.where(ok, cu[:, None], 0), torch.where(ok, slots[:, None], 0)]
+        cols = [c.reshape(-1) for c in cols]
+        if blocks is not None and blocks[i] > len(cols[0]):
+            cols = [torch.cat([c, c.new_full((blocks[i] - len(c),), v)]) for c, v in zip(cols, (0, -1, -L, 0, 0, 0))]
+        state = torch.where((positions >= tok_end - Rs) & (tok_slot >= 0), tok_slot * Rs + positions.remainder(Rs), -1)
+        out += [(positions + 1) // r, state, n_ent, *cols]
+    return out
+
+
+def verify_context(input_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, T: int, geom: CacheGeometry,
+                   block_tables: dict[int, torch.Tensor], entries: tuple[int, ...]) -> StepContext:
+    """The context of a uniform verify step whose starts live on the device (verify_arrays;
+    entries: each schedule's static entry-table width). No host sync."""
+    B = starts.shape[0]
+    d = verify_arrays(input_ids, starts, slots, T, geom, block_tables)
+    plan_host, k = [], 8
+    for (r, overlap), cmax in zip(geom.schedules, entries):
+        plan_host.append((r, overlap, (2 * r if overlap else r) + geom.state_extra, cmax, B * -(-T // r), k))
+        k += 9
+    nl = np.full(B, T, np.int64)
+    hc = HostContext([], B * T, B, plan_host, np.zeros(B, np.int64), nl, np.repeat(np.arange(B, dtype=np.int64), T), nl)
+    return device_context(hc, d, geom, block_tables, starts.device)

@@ -19,7 +19,8 @@ from .memory import finish_plan, plan_memory, resolve_kv_dtype
 from .model_runner import ModelRunner, StepBatch, StepResult, logits_rows
 from .request import Request, RequestOutput, SamplingParams, Status
 from .prefix_cache import PrefixCache
-from .scheduler import Scheduler
+from .replay import make_replay
+from .scheduler import ScheduledChunk, Scheduler
 from .speculative import SpecDecoder
 from .v41_cache import V41CacheManager
 
@@ -41,6 +42,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0          # MTP drafts per step (0: no speculation)
     spec_simulate_acc_len: Optional[float] = None  # benchmark knob: accept this many tokens per step on average
     cuda_graphs: Optional[bool] = None       # decode / verify steps replay captured graphs (None: on for CUDA)
+    swa_replay_window: int = 0               # V4.1: late layers prefill only each prompt's last K tokens (approximate; 0: off)
 
     def validate(self) -> "EngineConfig":
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_cache_entries",
@@ -117,6 +119,7 @@ class Engine:
         if config.num_speculative_tokens:
             self.spec = SpecDecoder(model, config.num_speculative_tokens, simulate_acc_len=config.spec_simulate_acc_len)
         self.runner = ModelRunner(model, self.cache, graphs, spec=self.spec, peers=peers)
+        self.runner.replay = make_replay(model, config)  # None unless swa_replay_window (engine/replay.py)
         # captured at start-up on CUDA (seconds, reported here); on the CPU padded steps run eagerly
         self.graph_capture_s = graphs.capture_all() if graphs is not None and graphs.capture else 0.0
         finish_plan(self.memory_plan, self.cache, graphs, self.graph_capture_s)
@@ -241,6 +244,8 @@ class Engine:
             n, P = req.num_computed, len(req.prompt_token_ids)
             if req.cache is None or n > P or n <= req.last_checkpoint:
                 continue
+            if self.runner.replay is not None and not self.runner.replay.snapshot_ok(req, n):
+                continue  # bounded replay left late-layer window rows unwritten
             if n == P or n // ck > req.last_checkpoint // ck:
                 self.prefix.insert(req.cache, req.tokens(0, n), n)
                 req.last_checkpoint = n
@@ -492,10 +497,37 @@ class Engine:
         return _Inflight(self.num_steps, res, rows), outs, f
 
     def _step_spec_overlap(self) -> list[RequestOutput]:
-        """Overlap under speculation: step N's accepted tokens are read back (its drafting
-        still runs on the device) and committed, then step N+1 is scheduled and launched
-        with N's drafts taken from the device."""
+        """Overlap under speculation. Where it can (_early_ok: every running request verifies
+        on from step N, nothing else to schedule), step N+1 is launched before N is read
+        back, its positions, input ids and draft counts taken from N's outputs on the device
+        (_launch_early), and N is committed while N+1 runs. Otherwise N's accepted tokens
+        are read back (its drafting still runs on the device) and committed, then N+1 is
+        scheduled and launched with N's drafts taken from the device."""
         outs, f = [], self._inflight
+        if f is not None and self._early_ok(f):
+            t0 = time.perf_counter()
+            ev0 = self._event()
+            try:
+                g = self._launch_early(f)
+            except Exception:  # it wrote only rows past the live ones: the plain path redoes the step
+                log.exception("deepfuse: early launch of step %d failed; running it after the read-back",
+                              self.num_steps)
+                g = None
+            if g is not None:
+                if ev0 is not None:
+                    self.gpu_events.append((ev0, self._event()))
+                t_launch = time.perf_counter() - t0
+                self._inflight = None
+                outs, ok = self._settle_safe(f)
+                self.num_steps += 1
+                self.step_times.append(t_launch)
+                self.prepare_times.append(self.runner.last_prepare_s)
+                if not ok:
+                    self._rollback([c.req for c in g.res.batch.chunks if c.req.finish_reason is None])
+                    return outs
+                self._bind_early(g)
+                self._inflight = g
+                return outs
         if f is not None:
             self._inflight = None
             outs += self._settle_safe(f)[0]
@@ -517,6 +549,64 @@ class Engine:
         self.step_times.append(time.perf_counter() - t0)
         self.prepare_times.append(t_sched + self.runner.last_prepare_s)
         return outs
+
+    def _early_ok(self, f: _Inflight) -> bool:
+        """Step N+1 can be launched before step N (f) is read back: speculation without
+        prefix caching on a runner that builds verify contexts on the device; nothing
+        waits; every running request ran in N, sampled, drafted, has no constraint; the
+        cache holds the worst case (N accepting all its drafts, then N+1's k + 1 tokens and
+        its k - 1 chained draft rows) within max_model_len."""
+        r, res = self.runner, f.res
+        if self.prefix is not None or f.rows is not None or not r.early_capable or res.drafts is None:
+            return False
+        b, sch, k = res.batch, self.scheduler, self.spec.k
+        if sch.waiting or len(sch.running) != len(b.chunks):
+            return False
+        need, seen = 0, set()
+        for i, c in enumerate(b.chunks):
+            req = c.req
+            if (req.status is not Status.RUNNING or req.finish_reason is not None or req.cache is None
+                    or b.draft_slots[i] < 0 or req.constraint is not None or req.wants_prompt_rows):
+                return False
+            end = c.start + c.count + 2 * k
+            if end > self.max_model_len:
+                return False
+            need += max(0, end - req.cache.tokens)
+            seen.add(id(req))
+        return need <= self.cache.free_tokens and all(id(q) in seen for q in sch.running)
+
+    def _launch_early(self, f: _Inflight) -> _Inflight:
+        """Launch the verify step after f before f is read back: every running request (in
+        the scheduler's order) verifies f's bonus token and drafts; its cache is grown to
+        the worst case first."""
+        b, k = f.res.batch, self.spec.k
+        row = {id(c.req): i for i, c in enumerate(b.chunks)}
+        reqs = list(self.scheduler.running)
+        src = np.array([row[id(q)] for q in reqs], np.int64)
+        for q, i in zip(reqs, src.tolist()):
+            self.cache.grow(q.cache, int(b.starts[i] + b.counts[i]) + 2 * k)
+        self.cache.flush()
+        chunks = [ScheduledChunk(q, -1, k + 1) for q in reqs]
+        big = 1 << 62
+        batch = self.runner.early_batch(
+            chunks, f.res, src, np.array([len(q.output_token_ids) for q in reqs], np.int64),
+            np.array([q.num_tokens for q in reqs], np.int64),
+            np.array([min(q.params.max_tokens, big) for q in reqs], np.int64), self.max_model_len)
+        return _Inflight(self.num_steps, self.runner.run(batch), None)
+
+    def _bind_early(self, g: _Inflight) -> None:
+        """After the step before g is committed: g's chunks get their host starts, counts
+        and verified drafts (the drafts _hand_drafts just handed out, which g verifies
+        already; the device computed the same counts)."""
+        b = g.res.batch
+        for i, c in enumerate(b.chunks):
+            req = c.req
+            if req.finish_reason is not None or req.cache is None:
+                continue  # ended with the step before: g's rows of it are dropped
+            kr = len(req.drafts)
+            c.start, c.count = req.num_tokens - 1, 1 + kr
+            b.starts[i], b.counts[i], b.verified[i] = c.start, c.count, kr
+            req.drafts, req.draft_logq, req.draft_src = [], None, None
 
     def _settle_safe(self, f: _Inflight) -> tuple[list[RequestOutput], bool]:
         """_settle(f) -> (outputs, True); if reading f back fails, the requests with sampled
@@ -622,6 +712,7 @@ class Engine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "early_steps": self.runner.early_steps,   # speculative steps launched before the previous one was read back
             "used_tokens": c.used_tokens,
             "peak_used_tokens": c.peak_used_tokens,
             "max_total_tokens": c.max_total_tokens,

@@ -39,7 +39,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .context import Padding, StepContext, decode_context, device_context, host_context, upload
+from .context import Padding, StepContext, decode_context, device_context, host_context, upload, verify_arrays
 
 _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
@@ -165,7 +165,7 @@ class GraphRunner:
             mtp = lambda: self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, out[1], nxt)  # noqa: E731
             gr.mtp = (self._capture(mtp), nxt, rows, self._outs)
             st = self._fused_inputs(bucket)
-            gr.fused = (self._capture(lambda: self._fused(hc, d, *st[:3])), st, self._outs)
+            gr.fused = (self._capture(lambda: self._fused(hc, d, *st[:4])), st, self._outs)
         self.capture_s += time.perf_counter() - t0
         return gr
 
@@ -235,6 +235,31 @@ class GraphRunner:
         ctx.starts, ctx.counts, ctx.logits_req, ctx.num_logits = hc.starts, hc.counts, hc.logits_req, hc.num_logits
         return ctx
 
+    def prepare_early(self, key, ids: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> StepContext:
+        """prepare for a uniform verify step whose starts live on the device (ids [B * T],
+        starts / slots [B]): the graph's static buffer is written on the device
+        (context.verify_arrays: the same layout host_context fills)."""
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._build(key)
+        n, T = g.pad.reqs, g.pad.tokens
+        B = starts.shape[0]
+        if B < n:
+            ids = torch.cat([ids, ids.new_zeros((n - B) * T)])
+            starts = torch.cat([starts, starts.new_zeros(n - B)])
+            slots = torch.cat([slots, slots.new_full((n - B,), -1)])
+        arrays = verify_arrays(ids, starts, slots, T, self.cache.geometry, self.cache.block_tables, g.pad.blocks)
+        sizes = [a.numel() for a in arrays]
+        if sizes != [a.size for a in g.hc.arrays]:
+            raise ValueError(f"deepfuse: early verify step arrays {sizes} do not match the graph's {key} buffer")
+        g.buf[:sum(sizes)].copy_(torch.cat([a.reshape(-1) for a in arrays]))
+        ctx = copy.copy(g.ctx)
+        ctx.num_tokens, ctx.num_reqs, ctx.graph = B * T, B, g
+        nl = np.full(B, T, np.int64)
+        ctx.starts, ctx.counts = np.zeros(B, np.int64), nl
+        ctx.logits_req, ctx.num_logits = np.repeat(np.arange(B, dtype=np.int64), T), nl
+        return ctx
+
     def run(self, ctx: StepContext):
         """Replay (or, on the CPU, run the padded step) -> logits [R, V] (and streams [N, hc, d])."""
         g = ctx.graph
@@ -274,13 +299,14 @@ class GraphRunner:
     # ------------------------------------------------------------------ the greedy speculative step, fused
     def _fused_inputs(self, bucket: int) -> tuple:
         """Static inputs of a fused step: draft slots [bucket] (-1: no drafts), simulated
-        accepted lengths [bucket] and their switch [1] (the spec_simulate_acc_len knob), views
-        of one buffer [2 * bucket + 1] (the last item)."""
-        buf = torch.zeros(2 * bucket + 1, dtype=torch.int64, device=self.device)  # one upload fills all three
+        accepted lengths [bucket], drafts each request verifies [bucket] and the simulation's
+        switch [1] (the spec_simulate_acc_len knob), views of one buffer [3 * bucket + 1]
+        (the last item)."""
+        buf = torch.zeros(3 * bucket + 1, dtype=torch.int64, device=self.device)  # one upload fills all four
         buf[:bucket] = -1
-        return buf[:bucket], buf[bucket:2 * bucket], buf[2 * bucket:], buf
+        return buf[:bucket], buf[bucket:2 * bucket], buf[2 * bucket:3 * bucket], buf[3 * bucket:], buf
 
-    def _fused(self, hc, d: list, slots: torch.Tensor, sim: torch.Tensor, use_sim: torch.Tensor):
+    def _fused(self, hc, d: list, slots: torch.Tensor, sim: torch.Tensor, kv: torch.Tensor, use_sim: torch.Tensor):
         """The whole step of greedy requests from the static buffer: context, target forward,
         acceptance (the longest prefix of drafts equal to the argmax), the emitted tokens, the
         MTP pass on them and the k - 1 chained drafts (argmax), all static shapes ->
@@ -295,8 +321,8 @@ class GraphRunner:
         ids = ctx.input_ids.view(Bk, T)
         if T > 1:
             dr = torch.cat([ids[:, 1:], ids[:, :1]], 1)  # row j verifies the input after it (the last: none)
-            acc = (dr[:, :T - 1] == target[:, :T - 1]).long().cumprod(1).sum(1)
-            a = torch.where(use_sim > 0, sim.clamp(max=T - 1), acc)
+            acc = torch.minimum((dr[:, :T - 1] == target[:, :T - 1]).long().cumprod(1).sum(1), kv)
+            a = torch.where(use_sim > 0, torch.minimum(sim, kv), acc)
             tokens = torch.where(torch.arange(T, device=self.device)[None, :] < a[:, None], dr, target)
         else:
             acc = a = torch.zeros(Bk, dtype=torch.int64, device=self.device)
@@ -322,29 +348,34 @@ class GraphRunner:
     def fused_ok(self, ctx: StepContext) -> bool:
         return self.mtp_graphs and ctx.graph is not None
 
-    def fused(self, ctx: StepContext, draft_slots: np.ndarray, sim: Optional[np.ndarray] = None):
+    def fused(self, ctx: StepContext, draft_slots: np.ndarray, sim: Optional[np.ndarray] = None,
+              verified: Optional[torch.Tensor] = None):
         """Run the fused greedy step whose buffer prepare filled (draft_slots [B] host, -1: no
-        drafts; sim [B] host: simulated accepted lengths, or None) -> (tokens, emitted,
-        accepted (real), drafts, flat), first B rows of one copy (flat: the four's storage; the
-        graph's outputs are rewritten by its next replay)."""
+        drafts; sim [B] host: simulated accepted lengths, or None; verified [B] device: the
+        drafts each request verifies, None: all T - 1) -> (tokens, emitted, accepted (real),
+        drafts, flat), first B rows of one copy (flat: the four's storage; the graph's outputs
+        are rewritten by its next replay)."""
         g = ctx.graph
         B, n = ctx.num_reqs, g.pad.reqs
         if g.fused is None:
             g.fused = (None, self._fused_inputs(n), None)
-        graph, (slots, g_sim, use_sim, buf), outs = g.fused
-        host = np.zeros(2 * n + 1, np.int64)  # the static inputs' storage: slots, sim, switch
+        graph, (slots, g_sim, g_kv, use_sim, buf), outs = g.fused
+        host = np.zeros(3 * n + 1, np.int64)  # the static inputs' storage: slots, sim, verified, switch
         host[:n] = -1
         host[:B] = draft_slots
+        host[2 * n:3 * n] = g.pad.tokens - 1
         if sim is not None:
             host[n:n + B] = sim
-            host[2 * n] = 1
+            host[3 * n] = 1
         src = torch.from_numpy(host)
         buf.copy_(src.pin_memory() if buf.is_cuda else src, non_blocking=True)  # pinned: no wait on the stream
+        if verified is not None:
+            g_kv[:B].copy_(verified)
         if graph is not None:
             graph.replay()
         else:
             with torch.no_grad():
-                outs = self._fused(g.hc, g.d, slots, g_sim, use_sim)
+                outs = self._fused(g.hc, g.d, slots, g_sim, g_kv, use_sim)
         t, e, a, d, flat = self._unpack(outs[4].clone(), n)
         return t[:B], e[:B], a[:B], d[:B], flat
 

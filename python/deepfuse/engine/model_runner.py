@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .cache import CacheManager
-from .context import StepContext, build_context, decode_context
+from .context import StepContext, build_context, decode_context, verify_context
 from .engram_state import engram_history
 from .sampler import DRAFT, Sampler, SamplingBatch, derive_seeds, to_device, top_logprobs
 from .scheduler import ScheduledChunk
@@ -112,6 +112,23 @@ class StepBatch:
     draft_slots: np.ndarray       # [B] slot of the chunks that draft after this step, -1 for the others
     next_rows: np.ndarray         # last rows of chunks that sample nothing ...
     next_ids: np.ndarray          # ... and the token after each (the MTP layer's input; 0 if none)
+    early: Optional["EarlyStep"] = None  # launched before the previous step's acceptance was read back
+
+
+@dataclass
+class EarlyStep:
+    """The device side of a verify step launched before the previous step (prev) was read
+    back: every chunk runs T = k + 1 tokens (its last token, then the k drafts prev made) at
+    positions that depend on prev's acceptance, so its starts, input ids and verified
+    draft counts are device tensors (ModelRunner.early_batch). The host arrays of its
+    StepBatch (starts, counts, verified) are bound once prev is committed (Engine)."""
+
+    prev: "StepResult"
+    starts: torch.Tensor          # [B] first position of each chunk
+    verified: torch.Tensor        # [B] drafts each chunk verifies (<= k: max_tokens, max_model_len)
+    ids: torch.Tensor             # [B * T] the step's input ids
+    slots: torch.Tensor           # [B] request slots
+    src: torch.Tensor             # [B] each chunk's row in prev
 
 
 @dataclass
@@ -184,6 +201,12 @@ class ModelRunner:
         self.last_prepare_s = 0.0  # host time of the last step's context building
         self.captured: Optional[list] = None  # set to [] to keep (request ids, logits) of every step (tests)
         self.fused_steps = 0  # steps run as one fused greedy speculative graph (GraphRunner.fused)
+        self.replay = None  # V4.1 decoder-side bounded replay (engine/replay.py; set by the engine)
+        self.early_steps = 0  # verify steps launched before the previous step's acceptance was read back
+        # early steps need the context from device starts: not with tensor parallel peers (the host
+        # arrays are broadcast) nor for models whose step reads host starts (V4.1) or n-gram history
+        self.early_capable = (self.k > 0 and peers is None and not hasattr(model.cfg, "kv_source_layers")
+                              and getattr(model, "engram_hasher", None) is None)
 
     # ------------------------------------------------------------------ the step's inputs
     def batch(self, chunks: list[ScheduledChunk], draft_slots: Optional[np.ndarray] = None) -> StepBatch:
@@ -203,6 +226,30 @@ class ModelRunner:
         return StepBatch(chunks, ids, starts, counts, slots, nlog, patch, verified, ds,
                          np.array(next_rows, np.int64), np.array(next_ids, np.int64))
 
+    def early_batch(self, chunks: list[ScheduledChunk], prev: StepResult, src: np.ndarray, out_len: np.ndarray,
+                    num_tokens: np.ndarray, max_tokens: np.ndarray, max_model_len: int) -> StepBatch:
+        """The batch of a verify step launched before prev (the step in flight) is read back:
+        chunk i continues chunk src[i] of prev (which sampled and drafted); out_len,
+        num_tokens: its request's generated / total tokens before prev's commit. On the
+        device: a = prev's accepted drafts, the start = prev's start + count - verified + a
+        (the bonus token's position), ids = [prev's bonus token, prev's k drafts], verified =
+        min(k, max_tokens - generated - 1, max_model_len - tokens - 1) after prev's commit
+        (what Engine._hand_drafts hands out: the plain loop's count)."""
+        B, k = len(chunks), self.k
+        pb, dev = prev.batch, self.device
+        slots = np.array([c.req.cache.slot for c in chunks], np.int64)
+        lim = np.minimum(max_tokens - out_len, max_model_len - num_tokens) - 2
+        u = _Uploads(src=src, base=(pb.starts + pb.counts - pb.verified)[src], lim=lim, slots=slots).to(dev)
+        s = u["src"]
+        a = prev.num_emitted[s] - 1
+        ids = torch.cat([prev.tokens[s, a][:, None], prev.drafts[s]], 1).reshape(-1)
+        ver = torch.minimum(u["lim"] - a, torch.full_like(a, k)).clamp_(min=0)
+        T = k + 1
+        z = np.zeros(B, np.int64)
+        return StepBatch(chunks, np.zeros(B * T, np.int64), z, np.full(B, T, np.int64), slots, np.full(B, T, np.int64),
+                         [], z.copy(), slots.copy(), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                         EarlyStep(prev, u["base"] + a, ver, ids, u["slots"], s))
+
     def prepare(self, batch, prev: Optional[StepResult] = None) -> StepContext:
         """The step context (batch: a StepBatch or the scheduled chunks). prev: the step in
         flight, whose sampled tokens fill the rows of requests whose last token is still on
@@ -214,7 +261,16 @@ class ModelRunner:
         if self.peers is not None:
             self.peers.send_step(b)
         key = self.graphs.key(b.counts, b.num_logits) if self.graphs is not None else None
-        if key is not None:
+        if b.early is not None:  # the context from device starts
+            e, T = b.early, self.k + 1
+            if key is not None:
+                ctx = self.graphs.prepare_early(key, e.ids, e.starts, e.slots)
+            else:
+                c = self.cache
+                entries = tuple(c.block_tables[r].shape[1] * c.page_size for r, _ in c.geometry.schedules)
+                ctx = verify_context(e.ids, e.starts, e.slots, T, c.geometry, c.block_tables, entries)
+            self.early_steps += 1
+        elif key is not None:
             ctx = self.graphs.prepare(key, b.ids, b.starts, b.counts, b.slots, b.num_logits)
         else:
             ctx = build_context(b.ids, b.starts, b.counts, b.slots, b.num_logits, self.cache.geometry,
@@ -233,6 +289,8 @@ class ModelRunner:
                 src = prev.tokens[:, 0] if src is None else src.reshape(-1)
                 ri = to_device(rows + idx, torch.int64, self.device)  # one upload: rows, then indices
                 ctx.input_ids[ri[:len(rows)]] = src[ri[len(rows):]]
+        if self.replay is not None:  # V4.1 bounded replay: the late layers' rows and context (approximate)
+            self.replay.attach(ctx, b.chunks)
         self.last_prepare_s = time.perf_counter() - t0
         return ctx
 
@@ -292,10 +350,12 @@ class ModelRunner:
         b, ctx, logits = L.batch, L.ctx, L.logits
         chunks, dev = b.chunks, self.device
         B, K = len(chunks), self.k + 1
+        E = b.early
         if L.fused:
             self.fused_steps += 1
-            sim = self.spec.simulated_lengths(b.verified)
-            tokens, emitted, accepted, drafts, flat = self.graphs.fused(ctx, b.draft_slots, sim)
+            sim = self.spec.simulated_lengths(b.verified if E is None else np.full(B, self.k, np.int64))
+            tokens, emitted, accepted, drafts, flat = self.graphs.fused(ctx, b.draft_slots, sim,
+                                                                        None if E is None else E.verified)
             res = StepResult(b, ctx, tokens, emitted, accepted, drafts=drafts)
             self._copy_out(res, [("flat", flat)])  # one copy; the host views follow the device ones
             h = res.host.pop()[1]
@@ -311,14 +371,20 @@ class ModelRunner:
         R = logits.shape[0]
         j_row = np.arange(R) - first[ctx.logits_req]
         ver = j_row < b.verified[ctx.logits_req]
-        sim = self.spec.simulated_lengths(b.verified) if self.k else None
+        sim = self.spec.simulated_lengths(b.verified if E is None else np.full(B, self.k, np.int64)) if self.k else None
         live = nl > 0
         # every small index array of the step in one upload
         u = _Uploads(rows_of=np.where(jj[None, :] < nl[:, None], first[:, None] + jj[None, :], 0),
                      emit=live, ver=ver, kv=b.verified, sim=sim, next_rows=b.next_rows, next_ids=b.next_ids,
                      rowbk=ctx.logits_req * K + j_row, a_first=np.where(live, first, 0), nl1=np.maximum(nl - 1, 0),
                      live=live, base=b.starts + b.counts - np.maximum(nl, 1), draft_slots=b.draft_slots,
-                     first_row=np.minimum(first, max(R - 1, 0))).to(dev)
+                     first_row=np.minimum(first, max(R - 1, 0)),
+                     **({} if E is None else dict(lreq=ctx.logits_req, jrow=j_row))).to(dev)
+        if E is not None:  # verified counts and starts on the device
+            u.views["kv"], u.views["base"] = E.verified, E.starts
+            u.views["ver"] = u["jrow"] < E.verified[u["lreq"]]
+            if sim is not None:
+                u.views["sim"] = torch.minimum(u["sim"], E.verified)
         res = StepResult(b, ctx, torch.zeros(B, K, dtype=torch.int64, device=dev),
                          torch.zeros(B, dtype=torch.int64, device=dev))
         a = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -329,10 +395,15 @@ class ModelRunner:
                 logits = apply_constraints(logits, reqs)
             pos = (b.starts + b.counts - nl)[ctx.logits_req] + j_row + 1
             sb = self.sampling_batch(reqs, pos.tolist(), logprobs=False)
+            if E is not None:
+                sb = replace(sb, position=E.starts[u["lreq"]] + u["jrow"] + 1)
             rq = u["rows_of"]
             if self.k:
                 d = ctx.input_ids[(ctx.logits_indices[:R] + 1).clamp(max=ctx.num_tokens - 1)]
-                logq = SpecDecoder.draft_logq(chunks, nl, b.verified, R, d) if ver.any() else None
+                if E is not None:
+                    logq = self._early_logq(E, chunks, R, d)
+                else:
+                    logq = SpecDecoder.draft_logq(chunks, nl, b.verified, R, d) if ver.any() else None
                 target, acc, final = self.sampler.verify(logits, sb, d, u["ver"].bool(), logq)
                 acc_m = acc[rq] & (torch.arange(K, device=dev)[None, :] < u["kv"][:, None])
                 res.accepted = acc_m.long().cumprod(1).sum(1)
@@ -362,6 +433,22 @@ class ModelRunner:
             if res.drafts is not None and (self.spec.force_drafts is not None or self.peers is not None):
                 self._copy_out(res, [("drafts", res.drafts)])
         return res
+
+    def _early_logq(self, E: EarlyStep, chunks, R: int, d: torch.Tensor) -> Optional[torch.Tensor]:
+        """SpecDecoder.draft_logq for an early step: the sampled requests' rows from the
+        previous step's draft log-probs on the device (greedy drafts: one-hot)."""
+        lq, k = E.prev.draft_logq, self.k
+        sampled = [i for i, c in enumerate(chunks) if not c.req.params.greedy]
+        if lq is None or not sampled:
+            return None
+        V = lq.shape[-1]
+        logq = torch.full((R, V), float("-inf"), dtype=torch.float64, device=d.device)
+        logq.scatter_(1, d[:, None], 0.0)
+        T = k + 1
+        rows = np.array([i * T + j for i in sampled for j in range(k)], np.int64)
+        idx = to_device(np.concatenate([rows, np.array(sampled, np.int64)]), torch.int64, d.device)
+        logq[idx[:len(rows)]] = lq[E.src[idx[len(rows):]]].reshape(-1, V).double()
+        return logq
 
     def _copy_out(self, res: StepResult, tensors: list) -> None:
         """Start the host copies of tensors (added to res.host; res.event follows them all)."""
