@@ -491,6 +491,19 @@ def _replay_tail(x, pre, positions, hashes, shared: dict, K: int):
     return x[:, s:], pre[:, s:], positions[s:], hashes
 
 
+def _replay_step_cut(x, pre, hashes, shared: dict, rp):
+    """A flat step at the replay cut: keep the flat rows rp.rows (streams [1, N, n, d], pre,
+    Engram rows, the sources' per-query selection / candidates) -> (x, pre, hashes, the
+    narrowed step context rp.ctx)."""
+    rows = rp.rows
+    for key in ("sel", "candidates"):
+        if shared.get(key) is not None:
+            shared[key] = shared[key][rows]
+    if hashes is not None:
+        hashes = hashes[rows]
+    return (x[:, rows], pre[:, rows], hashes, rp.ctx)
+
+
 class V41Model(ModelBase):
     """Official names: embed, layers.<i>, norm, head, mtp.<i> (DSpark stages)."""
 
@@ -572,7 +585,10 @@ class V41Model(ModelBase):
         """One engine step over the flat batch of ctx (deepfuse.step.StepContext) with a
         V4.1 cache (engine/v41_cache.py) -> logits [R, vocab] (fp32) of ctx.logits_indices.
         Engram needs ctx.engram_history [B, M - 1] (engine/engram_state.py) unless every
-        chunk starts at position 0."""
+        chunk starts at position 0. ctx.replay (engine/replay.py; approximate, off unless the
+        engine sets it): from layer ctx.replay.layer on, only the flat rows ctx.replay.rows run,
+        on the narrowed context ctx.replay.ctx (its logits_indices index the kept rows); the
+        returned streams of skipped rows are their streams at the cut."""
         cfg = self.cfg
         ids = ctx.input_ids
         hashes = None
@@ -590,13 +606,28 @@ class V41Model(ModelBase):
         x = mhc.expand(self.embed(ids).to(self.dtype), cfg)[None]
         pre = first_pre(x)
         shared: dict = {}
+        rp = getattr(ctx, "replay", None)  # decoder-side bounded replay (engine/replay.py): approximate
+        cut = rp.layer if rp is not None else None
+        full = None
         for i, layer in enumerate(self.layers):
+            if i == cut:
+                full, (x, pre, hashes, ctx) = x, _replay_step_cut(x, pre, hashes, shared, rp)
+                if ctx.num_tokens == 0:  # every token of the step stops at the cut
+                    break
             if layer.engram is not None:
                 x = layer.engram(x, hashes[:, cfg.engram_layer_ids.index(i)])
             x, pre = layer.step(x, pre, ctx, cache.layer(i), self.ropes, shared)
+        if cut is not None and cut >= len(self.layers):
+            full, (x, pre, hashes, ctx) = x, _replay_step_cut(x, pre, hashes, shared, rp)
         rows = ctx.logits_indices
         logits = self.head(self.norm(hc_collapse(x[0, rows], pre[0, rows]))).float()
-        return (logits, x[0]) if return_streams else logits
+        if not return_streams:
+            return logits
+        if full is not None:  # the skipped rows keep their streams at the cut
+            full = full[0].clone()
+            full[rp.rows] = x[0]
+            return logits, full
+        return logits, x[0]
 
 
 def checkpoint_tensors(model: V41Model) -> dict:
