@@ -5,8 +5,10 @@ python -m microbench.bench_linear --out DIR [--quick] [--proj wq_b ..] [--fmts f
 
 Per (projection, fmt, M): time of the op (activation cast included), weight bytes read per
 second and the fraction of the copy ceiling measured in this run, TFLOP/s, and the ratios to
-what a user would otherwise run: the reference (dequantise the weight, bf16 matmul) and
-cuBLASLt through torch._scaled_mm with DeepSeek's block scales (fp8 only).
+what a user would otherwise run: the reference (dequantise the weight, bf16 matmul; skipped by
+--no-ref), cuBLASLt through torch._scaled_mm with DeepSeek's block scales (fp8 only), and, at
+M <= 64, the previous path (cast + grouped GEMM kernel + split reduction: ops.linear's
+STREAM_MAX_M = 0) as x_prev (> 1: the streaming kernel is faster).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def main(argv=None):
         ap.add_argument("--proj", nargs="*", default=list(SHAPES), choices=list(SHAPES))
         ap.add_argument("--fmts", nargs="*", default=["fp8", "mxfp4"], choices=["fp8", "mxfp4"])
         ap.add_argument("--M", nargs="*", type=int, default=None, help="rows (default: the grid)")
-        ap.add_argument("--no-ref", action="store_true", help="skip the reference and _scaled_mm timings")
+        ap.add_argument("--no-ref", action="store_true", help="skip the reference (dequantise + matmul) timings")
 
     args, ctx = H.start(argv, extra=extra)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -44,12 +46,16 @@ def main(argv=None):
                 t = H.time_fn(lambda: ops.quant_linear(x, w, s, fmt))
                 r = dict(proj=name, N=N, K=K, fmt=fmt, M=M, us=t.median_us, TBps=wbytes / t.s / 1e12,
                          frac_copy=wbytes / t.s / 1e12 / ctx.copy_tbps, TFLOPs=2 * M * N * K / t.s / 1e12)
-                if args.no_ref:
-                    rows.append(r)
-                    H.print_table([r], COLS)
-                    continue
-                tr = H.time_fn(lambda: L.quant_linear_ref(x, w, s, fmt), reps=10)
-                r["ref_us"], r["x_ref"] = tr.median_us, tr.median_us / t.median_us
+                if M <= L.SMALL_M and L.STREAM_MAX_M > 0:
+                    keep, L.STREAM_MAX_M = L.STREAM_MAX_M, 0
+                    try:
+                        tp = H.time_fn(lambda: ops.quant_linear(x, w, s, fmt))
+                    finally:
+                        L.STREAM_MAX_M = keep
+                    r["prev_us"], r["x_prev"] = tp.median_us, tp.median_us / t.median_us
+                if not args.no_ref:
+                    tr = H.time_fn(lambda: L.quant_linear_ref(x, w, s, fmt), reps=10)
+                    r["ref_us"], r["x_ref"] = tr.median_us, tr.median_us / t.median_us
                 if fmt == "fp8":
                     ts = H.time_fn(lambda: L._scaled_mm_fp8(x, w, s, torch.bfloat16))
                     r["scaled_mm_us"], r["x_scaled_mm"] = ts.median_us, ts.median_us / t.median_us
@@ -61,8 +67,8 @@ def main(argv=None):
 
 
 COLS = [("proj", "{}"), ("N", "{}"), ("K", "{}"), ("fmt", "{}"), ("M", "{}"), ("us", "{:.1f}"), ("TBps", "{:.2f}"),
-        ("frac_copy", "{:.2f}"), ("TFLOPs", "{:.0f}"), ("ref_us", "{:.1f}"), ("x_ref", "{:.1f}"),
-        ("scaled_mm_us", "{:.1f}"), ("x_scaled_mm", "{:.2f}")]
+        ("frac_copy", "{:.2f}"), ("TFLOPs", "{:.0f}"), ("prev_us", "{:.1f}"), ("x_prev", "{:.2f}"),
+        ("ref_us", "{:.1f}"), ("x_ref", "{:.1f}"), ("scaled_mm_us", "{:.1f}"), ("x_scaled_mm", "{:.2f}")]
 
 if __name__ == "__main__":
     main()

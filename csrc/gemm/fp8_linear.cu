@@ -1,5 +1,6 @@
-// fp8_linear host launch: activation cast, then the grouped GEMM kernel in dense mode.
-// Small M streams the weight through 64-row x 16-token tiles; large M takes 128 x 128 tiles
+// fp8_linear host launch: dense M <= 64 goes to the one-launch streaming kernel
+// (stream_linear.cu) where it serves the shape; otherwise activation cast, then the grouped
+// GEMM kernel in dense mode. Small M there streams the weight through 64-row x 16-token tiles; large M takes 128 x 128 tiles
 // (the Python side prefers cuBLASLt through torch._scaled_mm there where it is faster).
 #include <cuda_runtime.h>
 
@@ -63,6 +64,7 @@ void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, b
   require_sm90a("fp8_linear");
   if (p.M <= 0 || p.N <= 0) return;
   if (p.M > (1LL << 30)) throw std::runtime_error("deepfuse: fp8_linear: too many rows");
+  if (stream_linear(p, p.stream_max_m, x, x_bf16, out, out_bf16, stream)) return;
   const int64_t rows = p.M * std::max(1, p.groups);
   uint8_t* xq = static_cast<uint8_t*>(workspace);
   float* xs = reinterpret_cast<float*>(xq + align256(rows * p.K));

@@ -16,9 +16,16 @@ struct LinearProblem {
   const void* scale = nullptr; // fp8: [ceil(N/128), ceil(K/128)] fp32 / UE8M0; mxfp4: UE8M0 [N, K/32]
   bool scale_u8 = false;
   int groups = 0;              // > 0: block-diagonal: x [M, groups, K], w [groups * N, K] -> [M, groups, N]
+  int stream_max_m = 64;       // dense M up to this: the one-launch streaming kernel (stream_linear.cu)
 };
 
 int64_t fp8_linear_workspace_bytes(const LinearProblem& p);
+
+// Dense x [M, K] times w for M <= min(max_m, 64) in one launch (no workspace): TMA weight
+// stream, the activation cast fused, K splits reduced across a cluster. false: not served
+// (shape, M, no tensor-map entry point); the caller runs the grouped kernel.
+bool stream_linear(const LinearProblem& p, int max_m, const void* x, bool x_bf16, void* out, bool out_bf16,
+                   cudaStream_t stream);
 
 // x [M, K] (bf16 if x_bf16 else fp32, contiguous) -> out [M, N] (bf16 if out_bf16 else fp32);
 // grouped: x [M, groups, K] -> out [M, groups, N].

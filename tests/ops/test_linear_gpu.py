@@ -3,7 +3,9 @@
 The kernels quantise activations to FP8 per token per 128 (the reference does not), so the
 check is against an emulation of that rounding (every element: |y - emu| <= 2e-2 |emu| +
 1e-2 max|emu|) and against the exact reference (relative Frobenius error <= 0.05).
-M <= 64 runs our weight-streaming kernel, larger M cuBLASLt (fp8) or our kernel (mxfp4).
+Dense M <= 64 runs the one-launch streaming kernel (stream_linear.cu; the launcher's
+stream_max_m=0 selects the grouped kernel, checked on the same inputs), grouped weights the
+grouped kernel, larger M cuBLASLt (fp8) or our kernel (mxfp4).
 mxfp4 with fp32 x is also held to |y - emu| <= 2^-10 sum_k |xq_k w_k| (emu in float64), with
 UE8M0 group scales spread within each 128-K chunk: the bound of the tensor cores' reduced
 precision accumulation (docs/notes/moe.md, "MXFP4 group scales folded") that any accumulation
@@ -18,6 +20,7 @@ from deepfuse.ops import linear as L
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
+needs_ext = pytest.mark.skipif(not _ext.has_cuda_kernels(), reason="needs the compiled extension")
 
 
 def make_weight(N, K, fmt, scale_fmt, g):
@@ -138,6 +141,10 @@ def test_linear_sanitize_small():
         for M in (3, 80):
             x = torch.randn(M, 256, device=DEV, generator=g).to(torch.bfloat16)
             assert torch.isfinite(ops.quant_linear(x, w, s, fmt)).all()
+        wk, sk = make_weight(192, 2048, fmt, "ue8m0", g)  # 16 chunks: a cluster of K splits
+        for M in (5, 40):
+            x = torch.randn(M, 2048, device=DEV, generator=g).to(torch.bfloat16)
+            assert torch.isfinite(ops.quant_linear(x, wk, sk, fmt)).all()
         wg, sg = make_weight(4 * 128, 256, fmt, "ue8m0", g)
         for M in (1, 70):
             xg = torch.randn(M, 4, 256, device=DEV, generator=g).to(torch.bfloat16)
@@ -166,9 +173,98 @@ def test_grouped_linear_matches_reference(fmt, lead, G, Kg, R):
     assert ((yf - ref).norm() / ref.norm()).item() <= 0.05
 
 
+# ----------------------------------------------------------------------------- the streaming kernel (M <= 64)
+def _launch(x, w, s, out, stream_max_m):
+    work = torch.empty(_ext._C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=s), dtype=torch.uint8, device=DEV)
+    _ext._C.fp8_linear(x=x, w=w, w_scale=s, out=out, workspace=work, stream_max_m=stream_max_m)
+    return out
+
+
+def _check_against_emulation(y, x, w, s, fmt):
+    emu = emulated(x, w, s, fmt)
+    yf = y.float()
+    assert torch.isfinite(yf).all(), "unwritten (poisoned) or non-finite outputs"
+    bad = (yf - emu).abs() > 2e-2 * emu.abs() + 1e-2 * emu.abs().max()
+    assert not bad.any(), f"{int(bad.sum())} off; max {(yf - emu).abs().max().item():.3g}"
+    ref = L.quant_linear_ref(x.float(), w, s, fmt)
+    assert ((yf - ref).norm() / ref.norm()).item() <= 0.05
+
+
+# (K, N): one K split (wq_b-like), cluster K splits (2..8), odd N, K % 128 != 0 (fp8 only)
+STREAM_SHAPES = [(1024, 4096), (4096, 512), (2048, 200), (8192, 320), (512, 1000), (160, 328)]
+
+
+@gpu
+@pytest.mark.parametrize("fmt,scale_fmt", [("fp8", "ue8m0"), ("fp8", "fp32"), ("mxfp4", None)])
+@pytest.mark.parametrize("M", [1, 2, 7, 8, 33, 64])
+@pytest.mark.parametrize("K,N", STREAM_SHAPES)
+def test_stream_linear_matches_reference(fmt, scale_fmt, M, K, N):
+    """Fresh random inputs, out poisoned with NaN, every element against the emulation bound;
+    the grouped kernel (stream_max_m=0) on the same inputs within the same bound."""
+    if fmt == "mxfp4" and K % 128:
+        pytest.skip("mxfp4 needs K % 128 == 0")
+    g = torch.Generator(device=DEV).manual_seed(M * 1009 + K + N)
+    w, s = make_weight(N, K, fmt, scale_fmt, g)
+    x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+    y = _launch(x, w, s, torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV), 64)
+    _check_against_emulation(y, x, w, s, fmt)
+    y_old = _launch(x, w, s, torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV), 0)
+    _check_against_emulation(y_old, x, w, s, fmt)
+    y2 = _launch(x, w, s, torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV), 64)
+    assert torch.equal(y, y2), "not deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 256), (5, 1024, 640), (64, 8192, 128)])
+def test_stream_linear_fp32_in_and_out(fmt, M, K, N):
+    g = torch.Generator(device=DEV).manual_seed(M + K + N + 5)
+    w, s = make_weight(N, K, fmt, "fp32", g)
+    x = torch.randn(M, K, device=DEV, generator=g) * 3.0
+    x[0, :128] *= 1e-3  # a token group of small values: its own fp32 scale
+    y = _launch(x, w, s, torch.full((M, N), float("nan"), device=DEV), 64)
+    assert y.dtype == torch.float32
+    _check_against_emulation(y, x, w, s, fmt)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_stream_linear_graph_capturable(fmt):
+    """One graph holding a split-K (cluster) call and a one-split call; replay after poisoning."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    w1, s1 = make_weight(512, 8192, fmt, "ue8m0", g)
+    w2, s2 = make_weight(4096, 1024, fmt, "ue8m0", g)
+    x1 = torch.randn(3, 8192, device=DEV, generator=g).to(torch.bfloat16)
+    x2 = torch.randn(40, 1024, device=DEV, generator=g).to(torch.bfloat16)
+    want1, want2 = ops.quant_linear(x1, w1, s1, fmt), ops.quant_linear(x2, w2, s2, fmt)
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        ops.quant_linear(x1, w1, s1, fmt)
+    torch.cuda.current_stream().wait_stream(st)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y1 = ops.quant_linear(x1, w1, s1, fmt)
+        y2 = ops.quant_linear(x2, w2, s2, fmt)
+    y1.fill_(float("nan"))
+    y2.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y1, want1) and torch.equal(y2, want2)
+    x1.copy_(torch.randn(3, 8192, device=DEV, generator=g).to(torch.bfloat16))  # new inputs, same graph
+    graph.replay()
+    _check_against_emulation(y1, x1, w1, s1, fmt)
+
+
+@needs_ext
+def test_fp8_linear_launcher_rejects_negative_stream_max_m():
+    a = _launch_args()
+    with pytest.raises(ValueError, match=r"fp8_linear: argument 'stream_max_m' must be >= 0 \(got -1\)"):
+        _ext._C.fp8_linear(**a, stream_max_m=-1)
+
+
 # ----------------------------------------------------------------------------- the C++ launcher's checks
 FP8 = torch.float8_e4m3fn
-needs_ext = pytest.mark.skipif(not _ext.has_cuda_kernels(), reason="needs the compiled extension")
 
 
 def _launch_args(M=4, K=256, N=192, G=0, fmt="fp8", device="cpu"):

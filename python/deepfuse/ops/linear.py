@@ -10,9 +10,12 @@ exactly, cast to x.dtype. Activations are not quantised (the transformers oracle
 same when it dequantises; DeepSeek's reference quantises activations to FP8 per 128).
 
 CUDA (quant_linear and grouped_linear with fp8 / mxfp4 weights): the kernels quantise activations to FP8 e4m3 per token per 128 (fp32 scales), as
-DeepSeek's reference does, and run FP8 MMAs: M <= 64 streams the weight through the grouped
-GEMM kernel (csrc/gemm), larger M (fp8 weights, K % 128 == 0) goes to cuBLASLt through
-torch._scaled_mm with DeepSeek's block scales, mxfp4 always to our kernel.
+DeepSeek's reference does, and run FP8 MMAs: dense M <= STREAM_MAX_M (64) runs the one-launch
+weight-streaming kernel (csrc/gemm/stream_linear.cu: TMA weight ring, the activation cast fused,
+K splits reduced across a thread-block cluster); grouped (block-diagonal) weights and shapes it
+does not take stream through the grouped GEMM kernel (csrc/gemm); larger M (fp8 weights,
+K % 128 == 0) goes to cuBLASLt through torch._scaled_mm with DeepSeek's block scales, mxfp4
+always to our kernel.
 `set_activation_quant(False)` (or DEEPFUSE_ACT_QUANT=0) makes quant_linear, grouped_linear and
 moe_experts run their references on the GPU too (exact dequantised weights, no activation
 rounding), for oracle comparisons: an explicit choice, counted in ops.reference_calls(). Other
@@ -107,7 +110,8 @@ def _quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: st
     return quant_linear_ref(x, w, scale, fmt)
 
 
-SMALL_M = 64  # rows up to which our weight-streaming kernel beats cuBLASLt (anchors-v4.md)
+SMALL_M = 64  # rows up to which our weight-streaming kernels beat cuBLASLt (anchors-v4.md)
+STREAM_MAX_M = 64  # dense rows up to which the one-launch streaming kernel runs (0: the grouped kernel)
 
 
 def linear_gap(x_dtype: torch.dtype, K: int, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> Optional[str]:
@@ -152,7 +156,7 @@ def _fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torc
     """Our kernel: x [M, K] -> out [M, N], or x [M, G, Kg] -> out [M, G, R] (block-diagonal w)."""
     C = _ext.ext(x.device)
     work = torch.empty(C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=scale), dtype=torch.uint8, device=x.device)
-    C.fp8_linear(x=x, w=w, w_scale=scale, out=out, workspace=work)
+    C.fp8_linear(x=x, w=w, w_scale=scale, out=out, workspace=work, stream_max_m=STREAM_MAX_M)
 
 
 @_quant_linear.register_kernel("cuda")

@@ -1,0 +1,472 @@
+// Weight-streaming FP8 / MXFP4 linear for few rows (M <= 64; semantics: deepfuse/ops/linear.py).
+// One launch, no workspace:
+// - a CTA (one warpgroup) owns T consecutive 64-row weight tiles and one K range (split s of S);
+//   its chunks (tile, 128-K chunk) stream through a ring of STAGES shared-memory stages filled by
+//   TMA (cp.async.bulk.tensor, one instruction per chunk, mbarrier completion), refilled as soon
+//   as a stage is consumed, so HBM sees STAGES chunks in flight per CTA without any pause between
+//   tiles;
+// - the activations of its K range are cast once into shared memory while the first stages load
+//   (FP8 e4m3 per token per 128 with fp32 scales, bit-identical to fp8_per_token_cast);
+// - swapped wgmma (m64 x BT x k32, e4m3): weights are the M side, the tokens (padded to BT =
+//   8 / 16 / 32 / 64) the N side; fp8: one promotion per chunk with the 128 x 128 block scale,
+//   mxfp4: e2m1 decoded to e4m3 (x 2^-6, exact) into a double-buffered swizzled tile while the
+//   previous chunk's wgmmas run, four k32 groups accumulated apart and promoted with their
+//   UE8M0 scales;
+// - S > 1: the S CTAs of a K split form a thread-block cluster; each tile's partial sums meet
+//   in shared memory and CTA s adds rows [64 s / S, 64 (s + 1) / S) of the S partials over
+//   DSMEM in split order (deterministic, no atomics, no second pass).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "common/arch.h"
+#include "common/cuda_utils.h"
+#include "common/fp8_utils.cuh"
+#include "gemm/fp8_linear.h"
+#include "gemm/grouped_gemm_sm90.cuh"
+
+namespace deepfuse {
+namespace {
+
+struct StreamArgs {
+  const void* x;      // [M, K] bf16 / fp32
+  void* out;          // [M, N] bf16 / fp32
+  const void* scale;  // fp8: [ceil(N/128), KB] fp32 / UE8M0; mxfp4: UE8M0 [N, K/32]
+  int M, N, K, KB;    // KB: 128-K chunks
+  int ntiles;         // 64-row weight tiles
+  int S, cps, T;      // K splits (cluster size), chunks per split, tiles per CTA
+  bool x_bf16, out_bf16, scale_u8;
+};
+
+constexpr int kTileRows = 64;
+constexpr int kMaxChunksPerCta = 64;  // bounds the preloaded weight scales
+
+template <bool MX>
+struct SCfg {
+  static constexpr int STAGES = MX ? 16 : 8;     // 64 KB in flight per CTA either way
+  static constexpr int SB = MX ? 4096 : 8192;    // one stage: 64 rows x one 128-K chunk
+};
+
+struct SLayout {
+  int w, e, x, xs, ws, red, bar, total;  // byte offsets from the 1024-aligned base; total with slack
+};
+
+__host__ __device__ inline int red_stride(int BT) { return BT + 4; }
+
+__host__ __device__ inline SLayout stream_layout(bool mx, int BT, int cps, int T, int S) {
+  SLayout L{};
+  int off = 0;
+  L.w = off;
+  off += mx ? 16 * 4096 : 8 * 8192;
+  L.e = off;
+  off += mx ? 2 * 8192 : 0;
+  L.x = off;
+  off += cps * BT * 128;
+  L.xs = off;
+  off += cps * BT * 4;
+  L.ws = off;
+  off += T * cps * (mx ? kTileRows * 4 : 4);
+  off = (off + 15) & ~15;
+  L.red = off;
+  off += S > 1 ? kTileRows * red_stride(BT) * 4 : 0;
+  off = (off + 7) & ~7;
+  L.bar = off;
+  off += (mx ? 16 : 8) * 8;
+  L.total = off + 1024;
+  return L;
+}
+
+// ---------------------------------------------------------------------------- device helpers
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ float ld_peer(const float* p, uint32_t rank) {
+  uint32_t a;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(gemm::smem_u32(p)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void wgmma_m64n8k32(float (&d)[4], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, %4, %5, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <int BT>
+__device__ __forceinline__ void wgmma_bt(float (&d)[BT / 2], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (BT == 8) wgmma_m64n8k32(d, da, db, scale_d);
+  else gemm::wgmma_tile<BT>(d, da, db, scale_d);
+}
+
+// The CTA's activations: rows [0, BT) (zeros from M on), chunks kc0 .. kc0 + nck - 1 -> e4m3 in
+// swizzled [BT x 128] tiles per chunk + one fp32 scale per row per chunk (fp8_group_cast's math).
+template <int BT>
+__device__ __forceinline__ void cast_x(const StreamArgs& a, int kc0, int nck, char* sX, float* sXS) {
+  constexpr int U = 4;
+  const int items = nck * BT * 16, tid = threadIdx.x;
+  for (int q0 = 0; q0 < items; q0 += 128 * U) {
+    float v[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int q = q0 + u * 128 + tid, kc = q / (BT * 16), r = (q >> 4) % BT, p = q & 15;
+      const int k = (kc0 + kc) * 128 + p * 8;
+      const bool ok = q < items && r < a.M && k < a.K;
+      if (ok && a.x_bf16) load8(static_cast<const __nv_bfloat16*>(a.x) + static_cast<int64_t>(r) * a.K + k, v[u]);
+      else if (ok) load8(static_cast<const float*>(a.x) + static_cast<int64_t>(r) * a.K + k, v[u]);
+      else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[u][i] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int q = q0 + u * 128 + tid, kc = q / (BT * 16), r = (q >> 4) % BT, p = q & 15;
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[u][i]));
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      const float s = fp32_scale(amax), mul = 1.0f / s;  // IEEE reciprocal, as the cast
+      float o[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = v[u][i] * mul;
+      if (q < items) {
+        *reinterpret_cast<uint2*>(sX + kc * BT * 128 + r * 128 + ((((p >> 1) ^ (r & 7)) << 4) | ((p & 1) << 3))) =
+            to_e4m3x8(o);
+        if (p == 0) sXS[kc * BT + r] = s;
+      }
+    }
+  }
+}
+
+// Packed e2m1 [64 rows x 64 B] -> swizzled e4m3 [64 x 128 B] (values x 2^-6).
+__device__ __forceinline__ void decode_mx(const char* pk, char* e) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int q = threadIdx.x + 128 * h, n = q >> 2, qq = q & 3;
+    const uint4 v = *reinterpret_cast<const uint4*>(pk + n * 64 + qq * 16);
+    const uint2 o0 = gemm::e2m1x8_to_e4m3(v.x), o1 = gemm::e2m1x8_to_e4m3(v.y);
+    const uint2 o2 = gemm::e2m1x8_to_e4m3(v.z), o3 = gemm::e2m1x8_to_e4m3(v.w);
+    *reinterpret_cast<uint4*>(e + n * 128 + (((2 * qq) ^ (n & 7)) << 4)) = make_uint4(o0.x, o0.y, o1.x, o1.y);
+    *reinterpret_cast<uint4*>(e + n * 128 + (((2 * qq + 1) ^ (n & 7)) << 4)) = make_uint4(o2.x, o2.y, o3.x, o3.y);
+  }
+}
+
+template <int BT, bool MX>
+__global__ void __launch_bounds__(128, 1) stream_linear_kernel(const StreamArgs a, const __grid_constant__ CUtensorMap tmap) {
+#if DEEPFUSE_SM90A_DEVICE
+  using C = SCfg<MX>;
+  constexpr int R = BT / 2;
+  extern __shared__ char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const SLayout L = stream_layout(MX, BT, a.cps, a.T, a.S);
+  const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int split = blockIdx.x;
+  const int kc0 = split * a.cps, nck = max(0, min(a.KB, kc0 + a.cps) - kc0);
+  const int tile0 = blockIdx.y * a.T, Tc = min(a.ntiles, tile0 + a.T) - tile0;
+  const int total = Tc * nck;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(base + L.bar);
+  char* sW = base + L.w;
+  char* sX = base + L.x;
+  float* sXS = reinterpret_cast<float*>(base + L.xs);
+
+  auto issue = [&](int i) {  // one thread: chunk i -> stage i % STAGES
+    const int st = i % C::STAGES, t = i / nck, kc = i % nck;
+    const uint32_t bar = gemm::smem_u32(bars + st);
+    mbar_expect_tx(bar, C::SB);
+    tma_load_2d(gemm::smem_u32(sW + st * C::SB), &tmap, (kc0 + kc) * (MX ? 64 : 128), (tile0 + t) * kTileRows, bar);
+  };
+  if (tid == 0) {
+    for (int s = 0; s < C::STAGES; ++s) mbar_init(gemm::smem_u32(bars + s), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    gemm::fence_proxy_async();
+    for (int i = 0; i < min(total, C::STAGES); ++i) issue(i);
+  }
+
+  cast_x<BT>(a, kc0, nck, sX, sXS);
+  if (!MX) {  // the 128 x 128 block scale of every chunk of the CTA
+    float* sWS = reinterpret_cast<float*>(base + L.ws);
+    for (int q = tid; q < total; q += 128) {
+      const int t = q / nck, kc = q % nck;
+      const int64_t off = static_cast<int64_t>((tile0 + t) * kTileRows / 128) * a.KB + kc0 + kc;
+      sWS[q] = a.scale_u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(a.scale)[off])
+                          : static_cast<const float*>(a.scale)[off];
+    }
+  } else {  // the four UE8M0 group scales of every row of every chunk, [t, kc, row] words
+    uint32_t* sWS = reinterpret_cast<uint32_t*>(base + L.ws);
+    const int KG = a.K / 32;
+    for (int q = tid; q < total * kTileRows; q += 128) {
+      const int kc = q % nck, row = (q / nck) % kTileRows, t = q / (nck * kTileRows);
+      const int n = (tile0 + t) * kTileRows + row;
+      sWS[(t * nck + kc) * kTileRows + row] =
+          n < a.N ? __ldg(reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(a.scale) +
+                                                            static_cast<int64_t>(n) * KG + (kc0 + kc) * 4))
+                  : 0u;
+    }
+  }
+  gemm::fence_proxy_async();
+  __syncthreads();
+
+  float acc[R];
+  const int rg = wq * 16 + g;  // this thread's tile rows rg, rg + 8
+  float* red = reinterpret_cast<float*>(base + L.red);
+  const int RS = red_stride(BT);
+
+  auto epilogue = [&](int t) {
+    const int n0 = (tile0 + t) * kTileRows;
+    if (a.S == 1) {
+#pragma unroll
+      for (int c8 = 0; c8 < BT / 8; ++c8)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const int p = c8 * 8 + 2 * t4 + b, n = n0 + rg;
+          if (p >= a.M) continue;
+          const int64_t o = static_cast<int64_t>(p) * a.N;
+          if (a.out_bf16) {
+            __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + o;
+            if (n < a.N) out[n] = __float2bfloat16_rn(acc[4 * c8 + b]);
+            if (n + 8 < a.N) out[n + 8] = __float2bfloat16_rn(acc[4 * c8 + 2 + b]);
+          } else {
+            float* out = static_cast<float*>(a.out) + o;
+            if (n < a.N) out[n] = acc[4 * c8 + b];
+            if (n + 8 < a.N) out[n + 8] = acc[4 * c8 + 2 + b];
+          }
+        }
+      return;
+    }
+    if (t > 0) cluster_wait();  // the peers have read the previous tile's partials
+#pragma unroll
+    for (int c8 = 0; c8 < BT / 8; ++c8)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int p = c8 * 8 + 2 * t4 + b;
+        red[rg * RS + p] = acc[4 * c8 + b];
+        red[(rg + 8) * RS + p] = acc[4 * c8 + 2 + b];
+      }
+    cluster_arrive();
+    cluster_wait();
+    const int rows = kTileRows / a.S, r0 = split * rows;
+    for (int e = tid; e < rows * BT; e += 128) {
+      const int row = r0 + e / BT, p = e % BT, n = n0 + row;
+      if (p >= a.M || n >= a.N) continue;
+      float s = 0.0f;
+      for (int q = 0; q < a.S; ++q) s += ld_peer(red + row * RS + p, q);
+      const int64_t o = static_cast<int64_t>(p) * a.N + n;
+      if (a.out_bf16) static_cast<__nv_bfloat16*>(a.out)[o] = __float2bfloat16_rn(s);
+      else static_cast<float*>(a.out)[o] = s;
+    }
+    cluster_arrive();
+  };
+
+  auto token_scales = [&](int kc, float (&sa)[BT / 8][2]) {
+#pragma unroll
+    for (int c8 = 0; c8 < BT / 8; ++c8) {
+      sa[c8][0] = sXS[kc * BT + c8 * 8 + 2 * t4];
+      sa[c8][1] = sXS[kc * BT + c8 * 8 + 2 * t4 + 1];
+    }
+  };
+
+  if constexpr (!MX) {
+    const float* sWS = reinterpret_cast<const float*>(base + L.ws);
+    int i = 0;
+    for (int t = 0; t < Tc; ++t) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) acc[j] = 0.0f;
+      for (int kc = 0; kc < nck; ++kc, ++i) {
+        const int st = i % C::STAGES;
+        mbar_wait(gemm::smem_u32(bars + st), (i / C::STAGES) & 1);
+        __syncwarp();
+        const uint32_t wa = gemm::smem_u32(sW + st * C::SB), xa = gemm::smem_u32(sX + kc * BT * 128);
+        float part[R];
+        gemm::wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_bt<BT>(part, gemm::smem_desc(wa + j * 32), gemm::smem_desc(xa + j * 32), j);
+        gemm::wgmma_commit();
+        float sa[BT / 8][2];
+        token_scales(kc, sa);
+        const float ws = sWS[t * nck + kc];
+        gemm::wgmma_wait0();
+        gemm::fence_regs(part);
+        __syncthreads();  // every warp's wgmmas on stage st are done: refill it
+        if (tid == 0 && i + C::STAGES < total) issue(i + C::STAGES);
+        gemm::promote<BT>(acc, part, ws, ws, sa);
+      }
+      epilogue(t);
+    }
+  } else {
+    const uint32_t* sWS = reinterpret_cast<const uint32_t*>(base + L.ws);
+    char* sE = base + L.e;
+    if (total > 0) {
+      mbar_wait(gemm::smem_u32(bars), 0);
+      decode_mx(sW, sE);
+      gemm::fence_proxy_async();
+      __syncthreads();
+      if (tid == 0 && C::STAGES < total) issue(C::STAGES);
+    }
+    int i = 0;
+    for (int t = 0; t < Tc; ++t) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) acc[j] = 0.0f;
+      for (int kc = 0; kc < nck; ++kc, ++i) {
+        const uint32_t ea = gemm::smem_u32(sE + (i & 1) * 8192), xa = gemm::smem_u32(sX + kc * BT * 128);
+        float part[4][R];
+        __syncwarp();
+        gemm::wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_bt<BT>(part[j], gemm::smem_desc(ea + j * 32), gemm::smem_desc(xa + j * 32), 0);
+        gemm::wgmma_commit();
+        if (i + 1 < total) {  // decode the next chunk while these wgmmas run
+          const int st1 = (i + 1) % C::STAGES;
+          mbar_wait(gemm::smem_u32(bars + st1), ((i + 1) / C::STAGES) & 1);
+          decode_mx(sW + st1 * C::SB, sE + ((i + 1) & 1) * 8192);
+          gemm::fence_proxy_async();
+        }
+        float sa[BT / 8][2];
+        token_scales(kc, sa);
+        const uint32_t sc0 = sWS[(t * nck + kc) * kTileRows + rg], sc1 = sWS[(t * nck + kc) * kTileRows + rg + 8];
+        gemm::wgmma_wait0();
+#pragma unroll
+        for (int j = 0; j < 4; ++j) gemm::fence_regs(part[j]);
+        __syncthreads();  // chunk i + 1 decoded (its stage free), chunk i's wgmmas done (its tile free)
+        if (tid == 0 && i + 1 + C::STAGES < total) issue(i + 1 + C::STAGES);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float w0 = gemm::ue8m0_value((sc0 >> (8 * j)) & 0xFF) * 64.0f;
+          const float w1 = gemm::ue8m0_value((sc1 >> (8 * j)) & 0xFF) * 64.0f;
+          gemm::promote<BT>(acc, part[j], w0, w1, sa);
+        }
+      }
+      epilogue(t);
+    }
+  }
+  if (a.S > 1 && Tc > 0) cluster_wait();  // peers may still read this CTA's partials
+#else
+  __trap();  // wgmma / TMA: sm_90a only (launchers call require_sm90a)
+#endif
+}
+
+// ---------------------------------------------------------------------------- host
+struct StreamPlan {
+  int BT = 0, S = 1, cps = 0, T = 1, ny = 0, smem = 0;
+};
+
+bool stream_plan(const LinearProblem& p, int max_m, StreamPlan& pl) {
+  if (p.groups > 0 || p.M < 1 || p.M > max_m || p.M > 64 || p.N < 1) return false;
+  pl.BT = p.M <= 8 ? 8 : p.M <= 16 ? 16 : p.M <= 32 ? 32 : 64;
+  const int ntiles = ceil_div(p.N, kTileRows), KB = ceil_div(p.K, 128);
+  const int D = 2 * num_sms();  // CTAs wanted: two per SM
+  int S = 1;
+  while (S < 8 && 2 * S <= KB && ntiles * S < D) S *= 2;
+  int cps = ceil_div(KB, S);
+  while (S > 1 && (S - 1) * cps >= KB) cps = ceil_div(KB, S /= 2);  // no empty split
+  int T = std::max(1, ceil_div(ntiles * S, D));
+  T = std::min(T, std::max(1, kMaxChunksPerCta / cps));
+  if (cps > kMaxChunksPerCta) return false;
+  const SLayout L = stream_layout(p.mxfp4, pl.BT, cps, T, S);
+  if (L.total > 227 * 1024) return false;
+  pl.S = S, pl.cps = cps, pl.T = T, pl.ny = ceil_div(ntiles, T), pl.smem = L.total;
+  return true;
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+template <int BT, bool MX>
+void launch_stream(const StreamArgs& a, const CUtensorMap& map, const StreamPlan& pl, cudaStream_t stream) {
+  auto kern = stream_linear_kernel<BT, MX>;
+  static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024);
+  check_cuda(attr, "cudaFuncSetAttribute(stream_linear_kernel)");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(pl.S, pl.ny, 1);
+  cfg.blockDim = dim3(128, 1, 1);
+  cfg.dynamicSmemBytes = pl.smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = pl.S;
+  at[0].val.clusterDim.y = 1;
+  at[0].val.clusterDim.z = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, kern, a, map), "stream_linear_kernel");
+}
+
+template <bool MX>
+void launch_bt(const StreamArgs& a, const CUtensorMap& map, const StreamPlan& pl, cudaStream_t stream) {
+  switch (pl.BT) {
+    case 8: launch_stream<8, MX>(a, map, pl, stream); break;
+    case 16: launch_stream<16, MX>(a, map, pl, stream); break;
+    case 32: launch_stream<32, MX>(a, map, pl, stream); break;
+    default: launch_stream<64, MX>(a, map, pl, stream); break;
+  }
+}
+
+}  // namespace
+
+bool stream_linear(const LinearProblem& p, int max_m, const void* x, bool x_bf16, void* out, bool out_bf16,
+                   cudaStream_t stream) {
+  StreamPlan pl;
+  if (!stream_plan(p, max_m, pl)) return false;
+  const auto encode = encode_tiled();
+  if (encode == nullptr) return false;
+  CUtensorMap map;
+  const cuuint64_t kbytes = p.mxfp4 ? p.K / 2 : p.K;
+  const cuuint64_t dims[2] = {kbytes, static_cast<cuuint64_t>(p.N)};
+  const cuuint64_t strides[1] = {kbytes};
+  const cuuint32_t box[2] = {p.mxfp4 ? 64u : 128u, static_cast<cuuint32_t>(kTileRows)};
+  const cuuint32_t es[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(p.w), dims, strides, box, es,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            p.mxfp4 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return false;  // e.g. a box wider than the tensor: the grouped kernel serves it
+  StreamArgs a{};
+  a.x = x, a.out = out, a.scale = p.scale;
+  a.M = static_cast<int>(p.M), a.N = p.N, a.K = p.K, a.KB = ceil_div(p.K, 128), a.ntiles = ceil_div(p.N, kTileRows);
+  a.S = pl.S, a.cps = pl.cps, a.T = pl.T;
+  a.x_bf16 = x_bf16, a.out_bf16 = out_bf16, a.scale_u8 = p.scale_u8;
+  if (p.mxfp4) launch_bt<true>(a, map, pl, stream);
+  else launch_bt<false>(a, map, pl, stream);
+  return true;
+}
+
+}  // namespace deepfuse
