@@ -69,10 +69,12 @@ def test_engine_replay_equals_model_replay(prompts, K, budget):
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW))
     _check(llm, prompts, outs, K)
     assert rp.steps > 0 and rp.skipped_tokens == sum(max(0, len(p) - K) for p in prompts)
-    # the exact model differs: replay really ran (P > K for three prompts)
+    # vs the exact model: below the dependency halo (window + (late layers - 1) * (window - 1) =
+    # 15 here) the first sampled row differs (replay really ran); at or above it, it is exact
     exact = [_ref(llm.model, p, NEW, None)[1][0] for p in prompts if len(p) > K]
     approx = [_ref(llm.model, p, NEW, K)[1][0] for p in prompts if len(p) > K]
-    assert any(float((a - b).abs().max()) > 1e-3 for a, b in zip(exact, approx))
+    errs = [float((a - b).abs().max()) for a, b in zip(exact, approx)]
+    assert max(errs) > 1e-3 if K < 15 else max(errs) < 1e-4, errs
 
 
 def test_replay_overlap_loop(prompts):
