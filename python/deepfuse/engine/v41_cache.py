@@ -7,7 +7,11 @@ pages, and an index source that is not a kv source scores its kv source's keys. 
 schedule (ratio, no overlap) per ratio of the sources; per ratio one page pool and block
 table shared by its sources, whose keys share the pages' ids. Saved prefixes (prefix
 caching) as V4's: window rows, the open groups' state rows and references on the pages of
-compressed rows and keys. Not built yet: draft-layer rings (DSpark).
+compressed rows and keys. Under speculation (DSpark: V4.1 has no MTP layer) the window rings
+hold num_draft_tokens - 1 extra rows and the compressor state rings as many (V4's rule: a
+rejected draft never overwrites a live row), and `dspark` holds the drafter's context rings
+(engine/dspark_rings.py; the draft stages themselves keep no KV: their block attends to those
+rows and to itself).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from deepfuse.step import LayerCacheView
 
 from .cache import CacheLayout, CacheManager
 from .context import CacheGeometry
+from .dspark_rings import DSparkRings
 
 
 class V41CacheManager(CacheManager):
@@ -25,18 +30,22 @@ class V41CacheManager(CacheManager):
                  max_num_batched_tokens: int = 8192, max_total_tokens: int = 65536, max_model_len: int = 65536,
                  page_size: int = 64, num_draft_tokens: int = 0, num_mtp_layers: int = 0,
                  num_saved_prefixes: int = 0):
-        if num_mtp_layers or num_draft_tokens:
-            raise ValueError("deepfuse: the V4.1 cache has no draft layers (DSpark) yet")
+        # num_mtp_layers: unused (the DSpark stages keep no KV cache)
+        if num_draft_tokens and not (cfg.dspark_block_size and cfg.dspark_target_layer_ids
+                                     and cfg.num_nextn_predict_layers):
+            raise ValueError("deepfuse: num_draft_tokens > 0 needs a DSpark head (dspark_block_size, "
+                             "dspark_target_layer_ids, num_nextn_predict_layers); V4.1 has no MTP layer")
         self._init_settings(cfg, model_dtype, device, kv_dtype, max_num_seqs, max_total_tokens, page_size)
         S, ps, D, Di = max_num_seqs, page_size, cfg.head_dim, cfg.index_head_dim
         W = cfg.sliding_window
-        Wp = F.round_up(W, F.PAGE_ALIGN_ROWS)
+        extra = max(num_draft_tokens - 1, 0)  # rejected drafts must not overwrite live ring rows
+        Wp = F.round_up(W + extra, F.PAGE_ALIGN_ROWS)
         scratch = -(-max_num_batched_tokens // Wp)
         L = cfg.num_hidden_layers
         self.layer_ratio = list(cfg.ratios)
         sources = list(cfg.kv_source_layers)
         ratios = sorted({cfg.ratios[j] for j in sources}, reverse=True)
-        self.geometry = CacheGeometry(W, W, Wp, S * Wp, tuple((r, False) for r in ratios), ps, 0)
+        self.geometry = CacheGeometry(W, W + extra, Wp, S * Wp, tuple((r, False) for r in ratios), ps, extra)
         self._init_ring(L, Wp, scratch, num_saved_prefixes)
         self.source_pos = {j: [s for s in sources if cfg.ratios[s] == cfg.ratios[j]].index(j) for j in sources}
         self.state_rows, self.pools, self.comp, self.keys, self.states = {}, {}, {}, {}, {}
@@ -46,14 +55,30 @@ class V41CacheManager(CacheManager):
             n = sum(cfg.ratios[j] == r for j in sources)
             P = self._add_pool(r, n, max_model_len)
             self.keys[r] = self._index_pool(n, P + 1, ps, Di)
-            self.state_rows[r] = (r, r)
-            self.states[(r, "attn")] = self._state(n, S * r + num_saved_prefixes * r + 1, D)
+            self.state_rows[r] = (r + extra, r)
+            self.states[(r, "attn")] = self._state(n, S * (r + extra) + num_saved_prefixes * r + 1, D)
         self.layer_pos = [self.source_pos.get(cfg.kv_source_for(i), 0) for i in range(L)]
+        self.dspark = None
+        if num_draft_tokens:
+            self.dspark = DSparkRings(cfg.num_nextn_predict_layers, W, D, S, num_saved_prefixes, model_dtype,
+                                      self.device)
         self._init_requests()
 
     def nbytes(self) -> int:
         ts = [self.ring, *self.comp.values(), *self.keys.values(), *(s for pair in self.states.values() for s in pair)]
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in ts) + (self.dspark.nbytes() if self.dspark else 0)
+
+    def admit(self):
+        rc = super().admit()
+        if self.dspark is not None:
+            self.dspark.reset(rc.slot)
+        return rc
+
+    def snapshot(self, rc, n: int):
+        snap = super().snapshot(rc, n)
+        if snap is not None and self.dspark is not None:
+            self.dspark.save(rc.slot, snap.slot)
+        return snap
 
     def layout(self) -> CacheLayout:
         per_page = [(r, (self.comp[r][:, 0].numel() * self.comp[r].element_size()
@@ -69,6 +94,8 @@ class V41CacheManager(CacheManager):
     def restore(self, rc, snap) -> None:
         """CacheManager.restore, whose copy of the partial last page also covers the keys."""
         super().restore(rc, snap)
+        if self.dspark is not None:
+            self.dspark.load(snap.slot, rc.slot)
         for r, pages in snap.pages.items():
             full = (snap.tokens // r) // self.page_size
             if len(pages) > full:  # the snapshot still references its page: the source rows are intact

@@ -29,7 +29,7 @@ in one forward of the draft stages:
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -43,6 +43,7 @@ class DSparkDraft(NamedTuple):
     tokens: torch.Tensor       # [B, k] int64: drafts 1..k (draft 1 follows the anchor)
     logits: torch.Tensor       # [B, k, vocab] fp32: the Markov-biased logits each draft was drawn from
     confidence: torch.Tensor   # [B, k] fp32 in (0, 1): the confidence head's estimate that draft i survives
+    logq: Optional[torch.Tensor] = None  # [B, k, vocab]: what propose's `sample` returned as each draw's log-probs
 
 
 @contextlib.contextmanager
@@ -122,12 +123,14 @@ class DSparkDrafter:
     # ------------------------------------------------------------------ drafting
     def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, rows: list[torch.Tensor],
                 row_pos: torch.Tensor, k: Optional[int] = None, temperature: float = 0.0,
-                generator: Optional[torch.Generator] = None) -> DSparkDraft:
+                generator: Optional[torch.Generator] = None, sample: Optional[Callable] = None) -> DSparkDraft:
         """One draft forward: anchor [B] (the newest token, at anchor_pos [B]), the context rows
         of context_rows (per stage [B, C, head_dim]) at row_pos [B, C] (-1: no row; rows
         outside [anchor_pos - window, anchor_pos) are not read) -> k <= dspark_block_size
         drafts (default all). temperature 0: greedy; else Gumbel-max draws from the biased
-        logits / temperature (generator)."""
+        logits / temperature (generator). sample(i, logits [B, vocab] fp32) -> (tokens [B],
+        log-probs [B, vocab] or None), if given, draws draft i + 1 instead (the engine's sampler:
+        the request's temperature and filters, its noise stream); temperature is then unused."""
         m, cfg = self.model, self.cfg
         S = self.block_size
         k = S if k is None else k
@@ -147,9 +150,9 @@ class DSparkDrafter:
             raise ValueError(f"deepfuse: DSparkDrafter.propose: temperature must be >= 0, got {temperature!r}")
         m._check_ids(anchor[:, None])
         with self._scope():
-            return self._propose(anchor, anchor_pos, rows, row_pos, k, temperature, generator)
+            return self._propose(anchor, anchor_pos, rows, row_pos, k, temperature, generator, sample)
 
-    def _propose(self, anchor, anchor_pos, rows, row_pos, k, temperature, generator) -> DSparkDraft:
+    def _propose(self, anchor, anchor_pos, rows, row_pos, k, temperature, generator, sample) -> DSparkDraft:
         m, cfg = self.model, self.cfg
         S, B = self.block_size, anchor.shape[0]
         dev = anchor.device
@@ -179,11 +182,14 @@ class DSparkDrafter:
         base = m.head(last.norm(hid)).float()
         markov = last.markov_head
         prev = anchor.to(torch.int64)
-        toks, logits, embs = [], [], []
+        toks, logits, embs, logqs = [], [], [], []
         for i in range(k):
             e = markov.embed(prev)
             li = base[:, i] + markov.head(e).float()
-            if temperature == 0:
+            if sample is not None:
+                prev, lq = sample(i, li)
+                logqs.append(lq)
+            elif temperature == 0:
                 prev = li.argmax(-1)
             else:
                 p = torch.softmax(li / temperature, dim=-1)
@@ -194,7 +200,8 @@ class DSparkDrafter:
             embs.append(e)
         feats = torch.cat([hid, torch.stack(embs, 1).to(hid.dtype)], dim=-1).float()
         conf = torch.sigmoid(torch.nn.functional.linear(feats, last.confidence_head.proj.dense_weight(torch.float32)))
-        return DSparkDraft(torch.stack(toks, 1), torch.stack(logits, 1), conf.squeeze(-1))
+        logq = torch.stack(logqs, 1) if logqs and logqs[0] is not None else None
+        return DSparkDraft(torch.stack(toks, 1), torch.stack(logits, 1), conf.squeeze(-1), logq)
 
     def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, main_hidden: torch.Tensor,
               positions: torch.Tensor, **kw) -> DSparkDraft:
