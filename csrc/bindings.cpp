@@ -12,6 +12,10 @@
 
 namespace py = pybind11;
 
+namespace deepfuse {
+void register_engram(py::module_& m);  // csrc/engram/api.cpp
+}  // namespace deepfuse
+
 namespace {
 
 std::vector<std::string> built_archs() {
@@ -57,4 +61,5 @@ PYBIND11_MODULE(_C, m) {
   deepfuse::register_norm(m);
   deepfuse::register_compressor(m);
   deepfuse::register_indexer(m);
+  deepfuse::register_engram(m);
 }
