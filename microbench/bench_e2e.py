@@ -46,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 import torch
@@ -475,7 +476,7 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m microbench.bench_e2e")
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--layers", default="swa,csa,hca,csa")
-    ap.add_argument("--experts", default="fp8", choices=["fp8", "mxfp4"])
+    ap.add_argument("--experts", default=None, choices=["fp8", "mxfp4"], help="default: fp8 (V4), mxfp4 (--v41)")
     ap.add_argument("--context", type=int, default=131072, help="context C per request")
     ap.add_argument("--new", type=int, default=4096, help="new (uncached) tokens per prefill request")
     ap.add_argument("--budgets", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536],
@@ -491,9 +492,46 @@ def parse(argv=None):
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny widths, short context (a CPU smoke test)")
-    if "--small" in (sys.argv[1:] if argv is None else argv):
+    v = ap.add_argument_group("DeepSeek V4.1 (--v41): the V4.1 engine on a V4.1-Flash-width random model")
+    v.add_argument("--v41", action="store_true", help="run the V4.1 benchmark (module doc, 'V4.1') instead")
+    v.add_argument("--v41-ratios", default="0,0,2,1,1,1,1,1",
+                   help="per-layer compress ratios (models.v41.flash_config derives the sources)")
+    v.add_argument("--prompt", type=int, default=4096, help="V4.1 prefill: prompt tokens per request (cold)")
+    v.add_argument("--replay", type=int, default=128,
+                   help="V4.1 prefill: swa_replay_window K of the replayed run (0: exact run only)")
+    v.add_argument("--engram-vocab", type=int, default=100000,
+                   help="V4.1 Engram buckets per head (rows per table ~24x this; the release: 16M -> 384M rows)")
+    v.add_argument("--engram-placement", default="host", choices=["host", "device"])
+    v.add_argument("--draft-layers", type=int, default=1, help="V4.1 DSpark stages in the random model")
+    v.add_argument("--decode-prompt", type=int, default=1024, help="V4.1 decode: prompt tokens per request")
+    v.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="V4.1: an EngineConfig field for every engine (value parsed as JSON, else a string)")
+    v.add_argument("--spec-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="V4.1: an EngineConfig field of the spec decode engine only (e.g. the DSpark "
+                        "selection field); spec also sets num_speculative_tokens=--k, spec_simulate_acc_len=--acc")
+    args = sys.argv[1:] if argv is None else argv
+    if "--v41" in args:
+        ap.set_defaults(budgets=[8192], prefill_steps=4, batches=[1, 16], steps=8)
+        if "--small" in args:
+            ap.set_defaults(prompt=32, budgets=[64], prefill_steps=1, batches=[2], steps=1, replay=12,
+                            engram_vocab=61, decode_prompt=16, context=320, new=64)
+    elif "--small" in args:
         ap.set_defaults(context=320, new=64, budgets=[64, 128], prefill_steps=2, batches=[2], steps=1)
     a = ap.parse_args(argv)
+    a.engine_args, a.spec_args = _kv_args(ap, a.engine_arg, "--engine-arg"), _kv_args(ap, a.spec_arg, "--spec-arg")
+    if a.v41:
+        if a.experts is None:
+            a.experts = "mxfp4"
+        try:
+            a.ratios = [int(x) for x in a.v41_ratios.split(",") if x]
+        except ValueError:
+            ap.error(f"--v41-ratios: comma-separated ints, got {a.v41_ratios!r}")
+        if a.prompt < 1 or a.decode_prompt < 1 or a.replay < 0 or a.engram_vocab < 2 or a.draft_layers < 0:
+            ap.error("--prompt, --decode-prompt >= 1, --replay >= 0, --engram-vocab >= 2, --draft-layers >= 0")
+        if any(b < a.prompt for b in a.budgets):
+            ap.error(f"--budgets must be >= --prompt ({a.prompt}) with --v41, got {a.budgets}")
+    elif a.experts is None:
+        a.experts = "fp8"
     modes = [m for m in a.modes.split(",") if m]
     if any(m not in ("spec", "plain") for m in modes):
         ap.error(f"--modes: spec / plain, got {a.modes!r}")
@@ -502,17 +540,32 @@ def parse(argv=None):
         ap.error(f"--k must be in [0, 8] and --acc in [1, k + 1], got {a.k}, {a.acc}")
     if a.k == 0:
         a.modes = ["plain"]
-    if a.new < 1 or a.context <= max(a.new, DECODE_PRIVATE):
+    if not a.v41 and (a.new < 1 or a.context <= max(a.new, DECODE_PRIVATE)):
         ap.error(f"--context ({a.context}) must exceed --new ({a.new}) and {DECODE_PRIVATE}")
-    if any(b < a.new or b % a.new for b in a.budgets):
+    if not a.v41 and any(b < a.new or b % a.new for b in a.budgets):
         ap.error(f"--budgets must be multiples of --new ({a.new}), got {a.budgets}")
     if a.prefill_steps < 1 or a.steps < 1 or any(b < 1 for b in a.batches):
         ap.error("--prefill-steps, --steps and --batches must be >= 1")
     return a
 
 
+def _kv_args(ap, items: list, flag: str) -> dict:
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        if not sep or not k:
+            ap.error(f"{flag}: KEY=VALUE, got {it!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.v41:
+        return main_v41(a)
     from deepfuse.models import random as rnd
 
     t_start = time.perf_counter()
@@ -587,6 +640,201 @@ def main(argv=None) -> int:
     plots = [] if a.no_plots else _plots(out, meta, prefill, decode)
     print(f"# wrote {path}" + "".join(f", {p}" for p in plots) + f" ({meta['wall_s']:.0f} s)")
     return 0
+
+
+# ---------------------------------------------------------------------------- DeepSeek V4.1
+SMALL_V41 = dict(vocab_size=1000, hidden_size=64, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, q_lora_rank=32, o_lora_rank=32, o_groups=2, index_n_heads=4, index_topk=8,
+                 sliding_window=8, candidate_topk_blocks=4, candidate_block_size=2, engram_n_heads=2,
+                 engram_head_dim=32, engram_max_ngram_size=3, dspark_markov_rank=8, dspark_n_routed_experts=4,
+                 dspark_num_experts_per_tok=2)
+
+
+def _v41_engine(model, a, *, budget: int, max_reqs: int, max_len: int, extra: Optional[dict] = None):
+    from deepfuse.engine import LLM
+
+    kw = dict(kv_dtype="fp8", max_num_seqs=max_reqs, max_num_batched_tokens=budget,
+              max_total_tokens=max_reqs * (max_len + 64) + budget, max_model_len=max_len, overlap=False)
+    kw.update(a.engine_args)
+    kw.update(extra or {})
+    return LLM(model, **kw).engine
+
+
+def run_prefill_v41(eng, a) -> list[dict]:
+    """Cold prefills of --prompt tokens (max_tokens 1), the chunked-prefill budget per step, the
+    same prompts exact and with bounded replay (the planner swapped on the same engine)."""
+    from deepfuse.engine import SamplingParams
+    from deepfuse.engine.replay import make_replay
+
+    model, dev, sch = eng.model, eng.model.device, eng.scheduler
+    V, P = model.cfg.vocab_size, a.prompt
+    rows = []
+    for budget in a.budgets:
+        sch.max_num_batched_tokens = budget
+        n_req = max(1, budget // P) * a.prefill_steps
+        g = torch.Generator().manual_seed(budget)
+        prompts = [_rand_tokens(V, P, g) for _ in range(n_req + 1)]
+        first: dict = {}
+        for mode in ["exact"] + (["replay"] if a.replay else []):
+            eng.runner.replay = make_replay(model, SimpleNamespace(swa_replay_window=a.replay if mode == "replay" else 0))
+            eng.add_request(f"{mode}{budget}_warmup", prompts[-1], SamplingParams(max_tokens=1, ignore_eos=True))
+            while eng.has_unfinished():  # first calls (allocator growth, lazy tables) stay out of the timing
+                eng.step()
+            if eng.runner.replay is not None:
+                eng.runner.replay.steps = eng.runner.replay.skipped_tokens = 0
+            for i, p in enumerate(prompts[:-1]):
+                eng.add_request(f"{mode}{budget}_{i}", p, SamplingParams(max_tokens=1, ignore_eos=True))
+            times, toks = [], {}
+            while eng.has_unfinished():
+                _sync(dev)
+                t = time.perf_counter()
+                outs = eng.step()
+                _sync(dev)
+                times.append(time.perf_counter() - t)
+                for o in outs:
+                    if o.token_ids:
+                        toks[int(o.request_id.rsplit("_", 1)[1])] = o.token_ids[0]
+            first[mode] = toks
+            rp = eng.runner.replay
+            sec = sum(times)
+            row = {"mode": mode, "budget": budget, "prompt": P, "requests": n_req, "steps": len(times),
+                   "step_ms": statistics.median(times) * 1e3, "new_tok_s": n_req * P / sec,
+                   "replay_window": a.replay if mode == "replay" else 0,
+                   "replay_steps": rp.steps if rp else 0, "skipped_tokens": rp.skipped_tokens if rp else 0}
+            rows.append(row)
+            print(f"v4.1 prefill {mode:6s} budget {budget:6d}: {row['new_tok_s']:9.0f} tok/s, step "
+                  f"{row['step_ms']:8.2f} ms ({len(times)} steps), late-layer tokens skipped {row['skipped_tokens']}")
+        eng.runner.replay = None
+        if "replay" in first:
+            ex, rp_ = rows[-2], rows[-1]
+            rp_["speedup"] = rp_["new_tok_s"] / ex["new_tok_s"]
+            agree = [first["exact"].get(i) == first["replay"].get(i) for i in range(n_req)]
+            rp_["first_token_agree"] = sum(agree) / len(agree)
+            print(f"   replay {a.replay}: {rp_['speedup']:.2f}x prefill; first sampled token equal to the exact run "
+                  f"for {sum(agree)}/{len(agree)} prompts (APPROXIMATE; random weights)")
+    return rows
+
+
+def run_decode_v41(model, a, mode: str) -> list[dict]:
+    """B requests of --decode-prompt tokens, then --steps timed decode steps: plain, or spec
+    (num_speculative_tokens --k at simulated acceptance --acc, plus --spec-arg fields)."""
+    from deepfuse.engine import SamplingParams
+
+    dev = model.device
+    k = a.k if mode == "spec" else 0
+    extra = dict(num_speculative_tokens=k, spec_simulate_acc_len=a.acc, **a.spec_args) if k else {}
+    max_tokens = (a.steps + 4) * (k + 1) + 8
+    max_len = a.decode_prompt + max_tokens + 8
+    eng = _v41_engine(model, a, budget=max(max(a.budgets), a.decode_prompt), max_reqs=max(a.batches),
+                      max_len=max_len, extra=extra)
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for B in a.batches:
+        ids = [f"{mode}{B}_{i}" for i in range(B)]
+        for rid in ids:
+            eng.add_request(rid, _rand_tokens(model.cfg.vocab_size, a.decode_prompt, g),
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        sch = eng.scheduler
+        while sch.waiting or any(r.num_computed < len(r.prompt_token_ids) for r in sch.running):
+            eng.step()
+        eng.step()
+        eng.step()  # warm-up
+        spec0 = eng.stats().get("spec")
+        step = statistics.median(timed_step(eng, dev) for _ in range(a.steps))
+        if len(sch.running) != B:  # a failing step ends its requests (Engine._isolate logs why)
+            raise RuntimeError(f"{B - len(sch.running)} of {B} decode requests ended early (failed; see the log)")
+        tps = 1.0
+        if k:
+            st = eng.stats()["spec"]
+            n = st["verify_steps"] - spec0["verify_steps"]
+            emitted = ((st["mean_accepted_length"] or 0) * st["verify_steps"]
+                       - (spec0["mean_accepted_length"] or 0) * spec0["verify_steps"])
+            tps = emitted / max(n, 1)
+        for rid in ids:
+            eng.abort(rid)
+        eng.step()
+        row = {"mode": mode, "B": B, "k": k, "prompt": a.decode_prompt, "step_ms": step * 1e3,
+               "tokens_per_step": tps, "tok_s_per_req": tps / step, "tok_s_total": B * tps / step,
+               "spec_args": a.spec_args if k else {}}
+        rows.append(row)
+        print(f"v4.1 decode {mode:5s} B {B:4d}: step {row['step_ms']:8.2f} ms, {tps:.2f} tok/step, "
+              f"{row['tok_s_per_req']:.1f} tok/s/req, {row['tok_s_total']:.0f} tok/s")
+    refs = eng.stats().get("reference_calls")
+    del eng
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows, refs
+
+
+def main_v41(a) -> int:
+    """The V4.1 engine on a V4.1-Flash-width random model (models.v41.flash_config /
+    random_model: FP8 128-block linears, --experts routed experts, Engram tables of --engram-vocab
+    buckets per head in --engram-placement memory, FP8 caches, eager steps): prefill tok/s exact
+    vs bounded replay (--replay), decode plain and spec. A part that raises is recorded as
+    {"error": ...} and the rest still runs."""
+    import dataclasses
+    import traceback
+
+    from deepfuse.models import v41
+
+    t_start = time.perf_counter()
+    dev = torch.device(a.device)
+    cfg = v41.flash_config(a.ratios, engram_vocab_size=a.engram_vocab, draft_layers=a.draft_layers,
+                           **(SMALL_V41 if a.small else {}))
+    cfg = dataclasses.replace(cfg, engram_placement=a.engram_placement).validate()
+    t0 = time.perf_counter()
+    model = v41.random_model(cfg, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                             quant="fp8", expert_quant=a.experts)
+    tables = model.engram_tables()
+    cut = v41.replay_first_layer(cfg)
+    meta = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(),
+            "torch": torch.__version__, "model": "V4.1-Flash-width random" + (" (SMALL widths)" if a.small else ""),
+            "ratios": cfg.ratios, "kv_sources": list(cfg.kv_source_layers), "index_sources":
+            list(cfg.index_source_layers), "replay_first_layer": cut, "late_layers": cfg.num_hidden_layers - cut,
+            "experts": a.experts, "linears": "fp8 128-block", "kv_dtype": "fp8", "draft_layers": a.draft_layers,
+            "engram_rows": [t.rows for t in tables], "engram_placement": a.engram_placement,
+            "engram_table_device": [str(t.weight.device) for t in tables],
+            "engram_pinned": [bool(t.weight.is_pinned()) for t in tables if t.weight.device.type == "cpu"],
+            "engram_table_bytes": sum(t.weight.numel() + t.scale.numel() for t in tables),
+            "build_s": time.perf_counter() - t0, "engine_args": a.engine_args, "small": a.small,
+            "replay": "APPROXIMATE (decoder-side SWA bounded replay, engine/replay.py)"}
+    print(f"# V4.1 random model {cfg.ratios} (+{a.draft_layers} DSpark), late layers {cut}.., Engram rows "
+          f"{meta['engram_rows']} on {meta['engram_table_device']}, built in {meta['build_s']:.1f} s | "
+          f"{meta['gpu']} | commit {meta['commit']}")
+    prefill, decode, errors, refs = [], [], {}, {}
+    if not a.skip_prefill:
+        try:
+            eng = _v41_engine(model, a, budget=max(a.budgets), max_reqs=max(1, max(a.budgets) // a.prompt) + 1,
+                              max_len=a.prompt + 8)
+            prefill = run_prefill_v41(eng, a)
+            refs["prefill"] = eng.stats().get("reference_calls")
+            del eng
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:
+            errors["prefill"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+    if not a.skip_decode:
+        for mode in a.modes:
+            try:
+                rows, refs[mode] = run_decode_v41(model, a, mode)
+                decode += rows
+            except Exception as e:
+                errors[mode] = f"{type(e).__name__}: {e}"
+                print(f"v4.1 decode {mode}: FAILED {errors[mode]}")
+                if mode != "spec":
+                    traceback.print_exc()
+    meta["reference_calls"], meta["errors"] = refs, errors
+    meta["wall_s"] = time.perf_counter() - t_start
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "e2e_v41.json"
+    path.write_text(json.dumps({"bench": "e2e_v41", "context": meta, "prefill": prefill, "decode": decode}, indent=1))
+    print(f"# wrote {path} ({meta['wall_s']:.0f} s)" + (f"; errors: {errors}" if errors else ""))
+    return 0 if not errors or set(errors) <= {"spec"} else 1
 
 
 def _plots(out: Path, meta: dict, prefill: list, decode: list) -> list:

@@ -82,3 +82,59 @@ def test_prefill_flops_count():
     # linear terms scale with tokens, the head with requests: doubling the tokens doubles the rest
     assert f2["bf16"] - head == pytest.approx(2 * (f["bf16"] - head), rel=1e-9)
     assert f["bf16"] > attn + head
+
+
+def test_e2e_v41_small(tmp_path, one_thread):
+    """--v41 --small: the V4.1 engine on a V4.1-Flash-layout random model at tiny widths (the GPU
+    run's code path: FP8 128-block linears, MXFP4 experts, FP8 caches, Engram tables in host
+    memory, the bounded-replay planner swapped on the same engine, DSpark decode)."""
+    from microbench import bench_e2e
+
+    rc = bench_e2e.main(["--v41", "--small", "--out", str(tmp_path), "--no-plots", "--device", "cpu"])
+    d = json.loads((tmp_path / "e2e_v41.json").read_text())
+    meta = d["context"]
+    assert rc == 0 and meta["errors"] == {}, meta["errors"]
+    assert meta["ratios"] == [0, 0, 2, 1, 1, 1, 1, 1] and meta["kv_sources"] == [2, 3]
+    assert meta["replay_first_layer"] == 4 and meta["late_layers"] == 4
+    assert meta["engram_placement"] == "host" and meta["engram_table_device"] == ["cpu", "cpu"]
+    assert meta["experts"] == "mxfp4" and meta["kv_dtype"] == "fp8"
+    ex, rp = d["prefill"]
+    assert (ex["mode"], rp["mode"]) == ("exact", "replay") and rp["replay_window"] == 12
+    assert ex["skipped_tokens"] == 0 and rp["skipped_tokens"] == rp["requests"] * (rp["prompt"] - 12)
+    assert rp["replay_steps"] >= 1 and 0 <= rp["first_token_agree"] <= 1
+    for r in (ex, rp):
+        assert _finite_pos(r["new_tok_s"]) and _finite_pos(r["step_ms"])
+    assert _finite_pos(rp["speedup"])
+    modes = {r["mode"]: r for r in d["decode"]}
+    assert set(modes) == {"spec", "plain"}
+    assert modes["plain"]["tokens_per_step"] == 1 and modes["spec"]["k"] == 3
+    assert 1 <= modes["spec"]["tokens_per_step"] <= 4
+    for r in d["decode"]:
+        assert _finite_pos(r["step_ms"]) and _finite_pos(r["tok_s_total"])
+
+
+def test_e2e_v41_flags():
+    from microbench import bench_e2e
+
+    a = bench_e2e.parse(["--v41", "--engine-arg", "dspark_threshold=0.0", "--spec-arg", "spec_method=dspark"])
+    assert a.experts == "mxfp4" and a.ratios == [0, 0, 2, 1, 1, 1, 1, 1] and a.replay == 128
+    assert a.engine_args == {"dspark_threshold": 0.0} and a.spec_args == {"spec_method": "dspark"}
+    assert bench_e2e.parse(["--small"]).experts == "fp8"
+    for bad in (["--v41", "--engine-arg", "novalue"], ["--v41", "--v41-ratios", "a,b"],
+                ["--v41", "--prompt", "9000", "--budgets", "8192"], ["--v41", "--replay", "-1"]):
+        with pytest.raises(SystemExit):
+            bench_e2e.parse(bad)
+
+
+def test_v41_flash_config():
+    """The Flash layout rules of models.v41.flash_config on the released layout reproduce the
+    released sources."""
+    from deepfuse.models import v41
+
+    ratios = [0, 0] + [2] * 6 + [2] * 6 + [2] * 6 + [1] * 20
+    c = v41.flash_config(ratios, draft_layers=3)
+    assert c.hidden_size == 5120 and c.n_routed_experts == 384 and c.sliding_window == 128
+    assert list(c.kv_source_layers) == [2, 20]  # runs of one ratio (the release splits ratio 2 at 8, 14)
+    assert list(c.index_source_layers) == [2, 20, 24, 28, 32, 36] and c.candidate_source_layer == 20
+    assert list(c.engram_layer_ids) == [1, 2] and v41.replay_first_layer(c) == 21
+    assert c.dspark_target_layer_ids == [37, 38, 39]

@@ -710,3 +710,122 @@ def window_bytes_per_request(cfg, kv_row: int = 584) -> int:
     """Sliding-window ring bytes one request holds (every layer, draft layers included)."""
     layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     return layers * cfg.sliding_window * kv_row
+
+
+# ----------------------------------------------------------------------------- random models (benchmarks)
+FLASH_V41_WIDTHS = dict(vocab_size=129280, hidden_size=5120, moe_intermediate_size=2304, num_attention_heads=64,
+                        q_lora_rank=1280, o_lora_rank=1024, o_groups=8, n_routed_experts=384, num_experts_per_tok=6,
+                        index_n_heads=32, index_head_dim=128, index_topk=512, sliding_window=128,
+                        candidate_topk_blocks=2048, candidate_block_size=8, engram_n_heads=8, engram_head_dim=256,
+                        engram_max_ngram_size=4, dspark_markov_rank=256, dspark_n_routed_experts=128,
+                        dspark_num_experts_per_tok=3)
+
+
+def flash_config(ratios: Optional[list[int]] = None, *, engram_vocab_size: int = 100000, draft_layers: int = 1,
+                 **overrides) -> V41Config:
+    """A V4.1-Flash-width config (the released widths, FLASH_V41_WIDTHS) with the given per-layer
+    compress ratios (default [0, 0, 2, 1, 1, 1, 1, 1]: half the layers after the last kv source,
+    as Flash's 19 of 40). kv sources: the first layer of each run of one ratio (Flash: 2, 8, 14
+    share ratio 2 six layers each); candidate source: the last kv source; index sources: the kv
+    sources and every fourth layer from the third after the cut (Flash: 24, 28, 32, 36); Engram
+    at layer 1 and the last ratio-2 kv source (Flash: 1, 14) with engram_vocab_size buckets per
+    head (rows: 24 primes above it per table; the release's 16M gives 384M rows); draft_layers
+    DSpark stages targeting the last three layers. overrides: any text_config field."""
+    ratios = list(ratios) if ratios is not None else [0, 0, 2, 1, 1, 1, 1, 1]
+    L = len(ratios)
+    kv = [i for i, r in enumerate(ratios) if r and (i == 0 or ratios[i - 1] != r)]
+    if not kv:
+        raise ValueError(f"deepfuse: v41.flash_config: ratios {ratios} have no compressed layer")
+    cut = kv[-1] + 1
+    index = sorted(set(kv) | {i for i in range(cut + 3, L, 4) if ratios[i]})
+    r2 = [i for i in kv if ratios[i] == 2]
+    engram = sorted({min(1, L - 1)} | ({r2[-1]} if r2 else set()))
+    w = {**FLASH_V41_WIDTHS, "dspark_noise_token_id": 128799}
+    w.update(overrides)
+    if w["dspark_noise_token_id"] >= w["vocab_size"]:  # a smaller vocabulary: its last id
+        w["dspark_noise_token_id"] = w["vocab_size"] - 1
+    M, H = w["engram_max_ngram_size"], w["engram_n_heads"]
+    rows = E.hash_primes(len(engram), M, H, engram_vocab_size).sum(1)
+    text = {"model_type": "deepseek_v41_text", "num_hidden_layers": L, "num_key_value_heads": 1, "head_dim": 512,
+            "qk_rope_head_dim": 64, "hidden_act": "silu", "swiglu_limit": 10.0, "rms_norm_eps": 1e-20,
+            "tie_word_embeddings": False, "max_position_embeddings": 1048576, "rope_theta": 10000,
+            "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                             "original_max_position_embeddings": 65536},
+            "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+            "routed_scaling_factor": 1.5, "compress_ratios": ratios + [0] * draft_layers,
+            "compress_rope_theta": 160000, "kv_source_layer_ids": kv, "index_source_layer_ids": index,
+            "candidate_source_layer_id": kv[-1], "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+            "engram_layer_ids": engram, "engram_num_embeddings": [int(r) for r in rows],
+            "engram_vocab_size": engram_vocab_size, "engram_pad_token_id": 2,
+            "engram_compressed_vocab_size": 99092, "num_nextn_predict_layers": draft_layers,
+            "dspark_block_size": 5, "dspark_target_layer_ids": [max(0, L - 3 + j) for j in range(3)], **w}
+    return V41Config.from_dict({"model_type": "deepseek_v41", "bos_token_id": 0, "eos_token_id": 1,
+                                "text_config": text})
+
+
+@torch.no_grad()
+def random_model(cfg: V41Config, *, device="cuda", dtype=torch.bfloat16, quant: Optional[str] = "fp8",
+                 expert_quant: Optional[str] = "mxfp4", seed: int = 0) -> V41Model:
+    """A random V4.1 model built on `device` (models.random's recipe): linears FP8 with 128 x 128
+    UE8M0 block scales (the kernels' format; the release's 32-blocks are dequantised at load) or
+    dense (quant None), the released dense ones (_DENSE_ONLY_V41) in `dtype`; routed experts
+    MXFP4 (the release's) / FP8 / dense; Engram tables random FP8 rows with UE8M0 scales placed
+    by cfg.engram_placement ("host": pinned host memory when CUDA is present); the Engram token
+    map id % 99092 (no tokenizer needed)."""
+    from .linear import slots
+    from .moe import Experts
+    from .random import _quantise
+    from .tiny import _DENSE_ONLY_V41, _init
+
+    if quant not in (None, "fp8") or expert_quant not in (None, "fp8", "mxfp4"):
+        raise ValueError(f"deepfuse: v41.random_model: quant must be None / 'fp8', expert_quant None / 'fp8' / "
+                         f"'mxfp4', got {quant!r}, {expert_quant!r}")
+    device = torch.device(device)
+    model = V41Model(cfg)
+    model.dtype = dtype
+    g = torch.Generator(device=device).manual_seed(seed)
+    for prefix, mod in model.named_modules():
+        dot = prefix + "." if prefix else ""
+        for name, kind in slots(mod).items():
+            t = _init(dot + name, tuple(getattr(mod, name).shape), kind, g, cfg)
+            setattr(mod, name, t.to(dtype) if kind == "act" else t)
+        if isinstance(mod, Linear):
+            w = _init(prefix + ".weight", (mod.out_features, mod.in_features), "act", g, cfg)
+            if quant is None or any(prefix.endswith(s) for s in _DENSE_ONLY_V41):
+                mod.set_weight(w.to(dtype))
+            else:
+                mod.set_weight(*_quantise(w, "fp8"), "fp8")
+        elif isinstance(mod, Experts):
+            ws, ss = {}, {}
+            for pname in ("w1", "w3", "w2"):
+                N, K = mod.proj_shape(pname)
+                parts, scales = [], []
+                for _ in range(mod.num_experts):
+                    w = torch.randn(N, K, generator=g, device=device) * K ** -0.5
+                    if expert_quant is None:
+                        parts.append(w.to(dtype))
+                    else:
+                        q, s = _quantise(w, expert_quant)
+                        parts.append(q)
+                        scales.append(s)
+                ws[pname] = torch.stack(parts)
+                if scales:
+                    ss[pname] = torch.stack(scales)
+            mod.set_weights(ws, ss, expert_quant or "dense")
+        elif isinstance(mod, EngramTable):
+            w = torch.empty(mod.rows, mod.dim, dtype=torch.float8_e4m3fn, device=device)
+            s = torch.empty(mod.rows, mod.dim // E.SCALE_BLOCK, dtype=torch.uint8, device=device)
+            for r0 in range(0, mod.rows, 1 << 20):  # bounded temporaries at large row counts
+                r1 = min(mod.rows, r0 + (1 << 20))
+                w[r0:r1] = (torch.randn(r1 - r0, mod.dim, generator=g, device=device) * 4).clamp(-448, 448).to(
+                    torch.float8_e4m3fn)
+                s[r0:r1] = torch.randint(121, 126, (r1 - r0, mod.dim // E.SCALE_BLOCK), generator=g, device=device,
+                                         dtype=torch.uint8)
+            mod.place(w, s, device, cfg.engram_placement)
+            del w, s
+    C = cfg.engram_compressed_vocab_size
+    model.set_token_map(np.arange(cfg.vocab_size, dtype=np.int64) % C, C)
+    for name, t in model.named_buffers():
+        if t.is_meta:
+            raise RuntimeError(f"deepfuse: v41.random_model left {name} unset")
+    return model.eval()
