@@ -20,6 +20,7 @@ from .model_runner import ModelRunner, StepBatch, StepResult, logits_rows
 from .request import Request, RequestOutput, SamplingParams, Status
 from .prefix_cache import PrefixCache
 from .replay import make_replay
+from .dspark_runner import dspark_config, make_dspark
 from .scheduler import ScheduledChunk, Scheduler
 from .speculative import SpecDecoder
 from .v41_cache import V41CacheManager
@@ -43,6 +44,8 @@ class EngineConfig:
     spec_simulate_acc_len: Optional[float] = None  # benchmark knob: accept this many tokens per step on average
     cuda_graphs: Optional[bool] = None       # decode / verify steps replay captured graphs (None: on for CUDA)
     swa_replay_window: int = 0               # V4.1: late layers prefill only each prompt's last K tokens (approximate; 0: off)
+    spec_method: Optional[str] = None        # "dspark" / "mtp"; None: DSpark if the model has a DSpark head, else MTP
+    dspark_threshold: float = 0.5            # DSpark: verify the leading drafts with confidence >= this (0: all k)
 
     def validate(self) -> "EngineConfig":
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_cache_entries",
@@ -93,6 +96,7 @@ class Engine:
             config = dataclasses.replace(config, overlap=False, enable_prefix_caching=False, cuda_graphs=False)
         if hasattr(model.cfg, "kv_source_layers"):  # DeepSeek V4.1 (models/v41.py): eager steps
             config = dataclasses.replace(config, cuda_graphs=False)
+        config = dspark_config(model, config)  # DSpark drafting: eager, no overlap (engine/dspark_runner.py)
         config.validate()
         self.model, self.config = model, config
         cfg = model.cfg
@@ -120,6 +124,7 @@ class Engine:
             self.spec = SpecDecoder(model, config.num_speculative_tokens, simulate_acc_len=config.spec_simulate_acc_len)
         self.runner = ModelRunner(model, self.cache, graphs, spec=self.spec, peers=peers)
         self.runner.replay = make_replay(model, config)  # None unless swa_replay_window (engine/replay.py)
+        self.runner.dspark = make_dspark(model, config, self.cache)  # None unless DSpark drafts
         # captured at start-up on CUDA (seconds, reported here); on the CPU padded steps run eagerly
         self.graph_capture_s = graphs.capture_all() if graphs is not None and graphs.capture else 0.0
         finish_plan(self.memory_plan, self.cache, graphs, self.graph_capture_s)
@@ -422,7 +427,10 @@ class Engine:
             req.num_computed = min(req.num_computed, req.num_tokens - 1)
             if b.draft_slots[i] < 0 or req.finish_reason is not None or res.drafts is None:
                 continue
-            kr = self._reserve_drafts(req, min(spec.k, req.params.max_tokens - len(req.output_token_ids) - 1))
+            lim = min(spec.k, req.params.max_tokens - len(req.output_token_ids) - 1)
+            if "verify_len" in host:  # DSpark: the drafts its confidence head verifies
+                lim = min(lim, host["verify_len"][i])
+            kr = self._reserve_drafts(req, lim)
             if not kr:
                 continue
             if "drafts" in host:  # read back: the force_drafts hook, tensor parallel (rank 0 sends every id)
@@ -557,7 +565,8 @@ class Engine:
         cache holds the worst case (N accepting all its drafts, then N+1's k + 1 tokens and
         its k - 1 chained draft rows) within max_model_len."""
         r, res = self.runner, f.res
-        if self.prefix is not None or f.rows is not None or not r.early_capable or res.drafts is None:
+        if (self.prefix is not None or f.rows is not None or not r.early_capable or res.drafts is None
+                or self.spec.force_drafts is not None):  # (the hook rewrites drafts on the host)
             return False
         b, sch, k = res.batch, self.scheduler, self.spec.k
         if sch.waiting or len(sch.running) != len(b.chunks):
