@@ -16,6 +16,7 @@ rank runs the same forwards in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -202,6 +203,7 @@ class ModelRunner:
         self.captured: Optional[list] = None  # set to [] to keep (request ids, logits) of every step (tests)
         self.fused_steps = 0  # steps run as one fused greedy speculative graph (GraphRunner.fused)
         self.replay = None  # V4.1 decoder-side bounded replay (engine/replay.py; set by the engine)
+        self.dspark = None  # DSpark drafting instead of the MTP chain (engine/dspark_runner.py; set by the engine)
         self.early_steps = 0  # verify steps launched before the previous step's acceptance was read back
         # early steps need the context from device starts: not with tensor parallel peers (the host
         # arrays are broadcast) nor for models whose step reads host starts (V4.1) or n-gram history
@@ -306,7 +308,8 @@ class ModelRunner:
         ctx = self.prepare(batch, prev)
         if self._fusable(batch, ctx):  # one replay does the whole step (finish)
             return _Launched(batch, ctx, None, None, fused=True)
-        out = self.forward(batch.chunks, ctx, return_streams=self.k > 0)
+        with self.dspark.capture() if self.dspark is not None else contextlib.nullcontext():
+            out = self.forward(batch.chunks, ctx, return_streams=self.k > 0)
         logits, streams = out if self.k else (out, None)
         return _Launched(batch, ctx, logits, streams)
 
@@ -427,7 +430,10 @@ class ModelRunner:
         self._copy_out(res, host)
         if self.k:
             try:
-                self._draft(L, res, a, u, sb)
+                if self.dspark is not None:
+                    self.dspark.draft(self, L, res, a, u, sb)
+                else:
+                    self._draft(L, res, a, u, sb)
             except Exception as e:
                 raise RuntimeError(f"drafting failed: {type(e).__name__}: {e}") from e
             if res.drafts is not None and (self.spec.force_drafts is not None or self.peers is not None):
