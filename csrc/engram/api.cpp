@@ -67,8 +67,11 @@ static EngramTable table_args(const char* op, const TensorArg& table, const Tens
 }
 
 // Where the kernel reads a table tensor: its CUDA pointer on `device`, or the device pointer of
-// page-locked host memory (UVA). Call with `device` current.
-static const uint8_t* table_ptr(const char* op, const char* name, const TensorArg& t, int device) {
+// page-locked host memory (UVA). Call with `device` current. While `stream` is capturing a
+// graph the host pointer is taken as is (no pointer query inside a capture; page-locked memory
+// from cudaHostAlloc has the same address on the device): page-locking is checked outside.
+static const uint8_t* table_ptr(const char* op, const char* name, const TensorArg& t, int device,
+                                cudaStream_t stream) {
   if (t.numel() == 0) return nullptr;
   if (t.is_cuda()) {
     Check(op, name, t).cuda(device);
@@ -76,6 +79,9 @@ static const uint8_t* table_ptr(const char* op, const char* name, const TensorAr
   }
   if (t.device_type != 1 && t.device_type != 3)  // DLPack CPU / CUDA host
     Check(op, name, t).fail("must be a CUDA tensor or in page-locked host memory");
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &cap), "cudaStreamIsCapturing");
+  if (cap != cudaStreamCaptureStatusNone) return t.ptr<const uint8_t>();  // UVA: host pointer == device pointer
   cudaPointerAttributes a{};
   const cudaError_t e = cudaPointerGetAttributes(&a, t.data);
   if (e != cudaSuccess) cudaGetLastError();  // not sticky: clear it
@@ -116,8 +122,8 @@ void engram_lookup(const TensorArg& table, const TensorArg& scale, const TensorA
   const int device = check_same_cuda_device(op, {{"ids", ids}, {"out", out}});
   if (N == 0 || C == 0) return;
   DeviceScope scope(op, "out", out);
-  t.rows = table_ptr(op, "table", table, device);
-  t.scale = table_ptr(op, "scale", scale, device);
+  t.rows = table_ptr(op, "table", table, device, as_cuda_stream(scope));
+  t.scale = table_ptr(op, "scale", scale, device, as_cuda_stream(scope));
   const int64_t ld = N > 1 ? ids.strides(0) : C;
   deepfuse::engram_lookup(t, ids.data, ids.dtype == DType::kI64, ld, N, static_cast<int>(C), out.data, type,
                           as_cuda_stream(scope));
@@ -137,8 +143,8 @@ void engram_embed(const TensorArg& ngram, const TensorArg& multipliers, const Te
                                                  {"offsets", offsets}, {"out", out}});
   if (N == 0) return;
   DeviceScope scope(op, "out", out);
-  t.rows = table_ptr(op, "table", table, device);
-  t.scale = table_ptr(op, "scale", scale, device);
+  t.rows = table_ptr(op, "table", table, device, as_cuda_stream(scope));
+  t.scale = table_ptr(op, "scale", scale, device, as_cuda_stream(scope));
   deepfuse::engram_embed(h, N, t, out.data, type, as_cuda_stream(scope));
 }
 

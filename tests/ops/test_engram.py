@@ -216,3 +216,31 @@ def test_opcheck():
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     x, kv, wh, we = _gate_case(1, torch.float32)
     torch.library.opcheck(torch.ops.deepfuse.engram_gate.default, (x, kv, wh, we, 1e-6, 1e-6))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_embed_is_hash_then_lookup(seed):
+    ngram, mult, primes, offsets, H = _case(seed)
+    layer = seed % mult.shape[0]
+    R = int(primes[layer].sum())
+    table, scale = _table(seed, R, 64)
+    ids = ops.engram_hash(ngram, mult, primes, offsets)[:, layer]
+    want = ops.engram_lookup(table, scale, ids, torch.float32)
+    got = E.engram_embed(ngram, mult[layer], primes[layer], offsets[layer], table, scale, torch.float32)
+    assert torch.equal(got, want)
+
+
+def test_embed_validation_and_opcheck():
+    ngram, mult, primes, offsets, _ = _case(1)
+    table, scale = _table(2, int(primes[0].sum()), 32)
+    with pytest.raises(ValueError, match="multipliers"):
+        E.engram_embed(ngram, mult, primes[0], offsets[0], table, scale)
+    with pytest.raises(ValueError, match="offsets"):
+        E.engram_embed(ngram, mult[0], primes[0], offsets[0, :1], table, scale)
+    with pytest.raises(TypeError, match="table"):
+        E.engram_embed(ngram, mult[0], primes[0], offsets[0], table.view(torch.uint8), scale)
+    with pytest.raises(TypeError, match="out_dtype"):
+        E.engram_embed(ngram, mult[0], primes[0], offsets[0], table, scale, torch.int32)
+    torch.library.opcheck(torch.ops.deepfuse.engram_embed.default,
+                          (ngram, mult[0], primes[0], offsets[0], table, scale, torch.bfloat16),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))

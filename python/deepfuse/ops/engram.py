@@ -28,8 +28,20 @@ the specification; docs/notes/v41.md cites them):
 The projection wkv between lookup and gate is the model's Linear (rows flattened to
 C * D -> (n + 1) d).
 
-CUDA: no kernels yet. On CUDA the references run only where allowed (ops._fallback),
-else NoKernelError.
+- engram_embed(ngram [N, M], multipliers [M], primes [C], offsets [C], table, scale)
+  -> [N, C, D]: one layer's engram_lookup(table, scale, engram_hash(...)[:, 0]) in one pass.
+
+CUDA (csrc/engram): engram_hash (a thread per output); engram_lookup / engram_embed: the
+gather reads 16 bytes of a row and its exponent per thread and writes the dequantised values
+(exact: e4m3 -> fp32, times a power of two, rounded once to out_dtype; the same as the
+reference), the row id read from ids or hashed in the kernel; the table in device memory or
+in page-locked host memory on the host (read over UVA: no copy of the table, the rows cross
+PCIe as the kernel reads them). Row ids outside [0, R) give zero rows (the reference raises).
+engram_gate: a block per (token, stream), bf16 / fp32 hidden and kv of one dtype, d % 8 == 0,
+weights read as fp32. No allocation inside the launch, no sync: graph-capturable. Other
+inputs on CUDA (a pageable host table, ids on the CPU, fp16 gate inputs) run the references
+only where allowed (ops._fallback), else NoKernelError. Prefetch of a step's rows on a side
+stream: engine/engram_state.py (EngramPrefetch).
 """
 from __future__ import annotations
 
@@ -39,8 +51,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from deepfuse import _ext
 from deepfuse.ops._checks import check_tensor
-from deepfuse.ops._fallback import need_reference
+from deepfuse.ops._fallback import kernels_off_reason, need_reference
 from deepfuse.ops._registry import Op, op
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -149,18 +162,38 @@ def ngram_ids(cids: torch.Tensor, pad_id: int, max_ngram: int, history: Optional
     return torch.stack(cols, dim=-1)
 
 
-def _reference_op(name: str, ref: Callable, fake: Callable) -> Op:
-    """deepfuse::<name> whose CPU path is `ref` and whose CUDA path runs `ref` through
-    need_reference (no CUDA kernel yet); `fake` gives the output's shape."""
+def _kernel_op(name: str, ref: Callable, fake: Callable, kernel: Callable) -> Op:
+    """deepfuse::<name> whose CPU path is `ref`; its CUDA path `kernel(*args)` returns the
+    output, or a str saying why the kernel cannot serve the call (then the reference runs
+    through need_reference)."""
     o = op(name)(ref)
 
     @o.register_kernel("cuda")
     def _(*args):
-        need_reference(name, "no CUDA kernel yet")
-        return ref(*args)
+        r = kernel(*args)
+        if isinstance(r, str):
+            need_reference(name, r)
+            return ref(*args)
+        return r
 
     o.register_fake(fake)
     return o
+
+
+def _table_gap(table: torch.Tensor, scale: torch.Tensor, dev: torch.device) -> Optional[str]:
+    """Why the gather cannot read table / scale from a kernel on `dev` (None: it can)."""
+    if dev.type != "cuda":
+        return f"the row ids are on {dev} (the kernel runs where the ids are: on a GPU)"
+    for arg, t in (("table", table), ("scale", scale)):
+        if t.device.type == "cuda":
+            if t.device != dev:
+                return f"{arg} is on {t.device}, the ids on {dev}"
+        elif t.device.type != "cpu":
+            return f"{arg} is on {t.device}"
+        elif t.numel() and not torch.cuda.is_current_stream_capturing() and not t.is_pinned():
+            return (f"{arg} is in pageable host memory (the kernel reads page-locked host memory; "
+                    f"ops.engram.to_host pins)")
+    return None
 
 
 # ----------------------------------------------------------------------------- engram_hash
@@ -182,7 +215,28 @@ def _engram_hash_fake(ngram, multipliers, primes, offsets):
     return ngram.new_empty(ngram.shape[0], multipliers.shape[0], primes.shape[1], dtype=torch.int64)
 
 
-_engram_hash = _reference_op("engram_hash", engram_hash_ref, _engram_hash_fake)
+def _engram_hash_cuda(ngram, multipliers, primes, offsets):
+    why = kernels_off_reason()
+    if why is not None:
+        return why
+    out = torch.empty(ngram.shape[0], multipliers.shape[0], primes.shape[1], dtype=torch.int64, device=ngram.device)
+    _ext.ext(ngram.device).engram_hash(ngram=_inner(ngram), multipliers=multipliers.contiguous(),
+                                       primes=primes.contiguous(), offsets=offsets.contiguous(), out=out)
+    return out
+
+
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    """t with a unit last-dim stride (the kernels take any row stride)."""
+    return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and 16-byte aligned (the vector loads of the gate)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+_engram_hash = _kernel_op("engram_hash", engram_hash_ref, _engram_hash_fake, _engram_hash_cuda)
 
 
 def engram_hash(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
@@ -219,24 +273,102 @@ def _engram_lookup_fake(table, scale, ids, out_dtype):
     return ids.new_empty(ids.shape[0], ids.shape[1], table.shape[1], dtype=out_dtype)
 
 
-_engram_lookup = _reference_op("engram_lookup", engram_lookup_ref, _engram_lookup_fake)
+def _engram_lookup_cuda(table, scale, ids, out_dtype):
+    why = kernels_off_reason() or _table_gap(table, scale, ids.device)
+    if why is not None:
+        return why
+    out = torch.empty(ids.shape[0], ids.shape[1], table.shape[1], dtype=out_dtype, device=ids.device)
+    _ext.ext(ids.device).engram_lookup(table=table.view(torch.uint8), scale=scale, ids=_inner(ids), out=out)
+    return out
+
+
+_engram_lookup = _kernel_op("engram_lookup", engram_lookup_ref, _engram_lookup_fake, _engram_lookup_cuda)
 
 
 def engram_lookup(table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dequantised table rows [N, C, D] (out_dtype, on ids' device) of the rows ids [N, C]."""
     name = "engram_lookup"
-    check_tensor(name, "table", table, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
-    R, D = table.shape
-    if D % SCALE_BLOCK:
-        raise ValueError(f"deepfuse: {name}: table rows must be a multiple of {SCALE_BLOCK} wide, got {D}")
-    scale_dtypes = (torch.uint8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
-    check_tensor(name, "scale", scale, dtypes=scale_dtypes, shape=(R, D // SCALE_BLOCK), device=table.device,
-                 contiguous=True)
+    _check_table(name, table, scale)
     check_tensor(name, "ids", ids, dtypes=_INTS, ndim=2)
     if out_dtype not in _FLOATS:
         raise TypeError(f"deepfuse: {name}: out_dtype must be one of {_FLOATS}, got {out_dtype}")
     return torch.ops.deepfuse.engram_lookup(table, scale.view(torch.uint8), ids, out_dtype)
+
+
+def _check_table(name: str, table: torch.Tensor, scale: torch.Tensor) -> None:
+    check_tensor(name, "table", table, dtypes=(torch.float8_e4m3fn,), ndim=2, contiguous=True)
+    R, D = table.shape
+    if D % SCALE_BLOCK or D == 0:
+        raise ValueError(f"deepfuse: {name}: table rows must be a positive multiple of {SCALE_BLOCK} wide, got {D}")
+    scale_dtypes = (torch.uint8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
+    check_tensor(name, "scale", scale, dtypes=scale_dtypes, shape=(R, D // SCALE_BLOCK), device=table.device,
+                 contiguous=True)
+
+
+def lookup_into(out: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """engram_lookup written into out [N, C, D] (a preallocated CUDA buffer; the kernel only:
+    raises NoKernelError where it cannot serve) on the current stream; returns out."""
+    name = "engram_lookup"
+    _check_table(name, table, scale)
+    check_tensor(name, "ids", ids, dtypes=_INTS, ndim=2)
+    check_tensor(name, "out", out, dtypes=_FLOATS, shape=(ids.shape[0], ids.shape[1], table.shape[1]),
+                 device=ids.device, contiguous=True)
+    why = kernels_off_reason() or _table_gap(table, scale, ids.device)
+    if why is not None:
+        from deepfuse.ops._fallback import NoKernelError
+        raise NoKernelError(f"deepfuse: {name}: {why}")
+    _ext.ext(ids.device).engram_lookup(table=table.view(torch.uint8), scale=scale.view(torch.uint8),
+                                       ids=_inner(ids), out=out)
+    return out
+
+
+# ----------------------------------------------------------------------------- engram_embed
+def engram_embed_ref(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor,
+                     table: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    ids = engram_hash_ref(ngram, multipliers.unsqueeze(0), primes.unsqueeze(0), offsets.unsqueeze(0))[:, 0]
+    return engram_lookup_ref(table, scale, ids, out_dtype)
+
+
+def _engram_embed_fake(ngram, multipliers, primes, offsets, table, scale, out_dtype):
+    return ngram.new_empty(ngram.shape[0], primes.shape[0], table.shape[1], dtype=out_dtype)
+
+
+def _engram_embed_cuda(ngram, multipliers, primes, offsets, table, scale, out_dtype):
+    why = kernels_off_reason() or _table_gap(table, scale, ngram.device)
+    if why is not None:
+        return why
+    out = torch.empty(ngram.shape[0], primes.shape[0], table.shape[1], dtype=out_dtype, device=ngram.device)
+    _ext.ext(ngram.device).engram_embed(ngram=_inner(ngram), multipliers=multipliers.contiguous(),
+                                        primes=primes.contiguous(), offsets=offsets.contiguous(),
+                                        table=table.view(torch.uint8), scale=scale, out=out)
+    return out
+
+
+_engram_embed = _kernel_op("engram_embed", engram_embed_ref, _engram_embed_fake, _engram_embed_cuda)
+
+
+def engram_embed(ngram: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor,
+                 table: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """One Engram layer's dequantised rows [N, C, D] of the n-gram windows ngram [N, M]
+    (multipliers [M], primes / offsets [C] of that layer): hash, gather and dequantise in one
+    pass (module doc). The table may be in page-locked host memory (ids on the GPU)."""
+    name = "engram_embed"
+    check_tensor(name, "ngram", ngram, dtypes=_INTS, ndim=2)
+    N, M = ngram.shape
+    if M < 2:
+        raise ValueError(f"deepfuse: {name}: ngram must have >= 2 columns (max n-gram size), got {M}")
+    check_tensor(name, "multipliers", multipliers, dtypes=(torch.int64,), shape=(M,), device=ngram.device)
+    check_tensor(name, "primes", primes, dtypes=(torch.int64,), ndim=1, device=ngram.device)
+    C = primes.shape[0]
+    if C == 0 or C % (M - 1):
+        raise ValueError(f"deepfuse: {name}: primes must have shape [(M - 1) * H] = [{M - 1} * H], got [{C}]")
+    check_tensor(name, "offsets", offsets, dtypes=(torch.int64,), shape=(C,), device=ngram.device)
+    _check_table(name, table, scale)
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"deepfuse: {name}: out_dtype must be one of {_FLOATS}, got {out_dtype}")
+    return torch.ops.deepfuse.engram_embed(ngram, multipliers, primes, offsets, table, scale.view(torch.uint8),
+                                           out_dtype)
 
 
 # ----------------------------------------------------------------------------- engram_gate
@@ -258,7 +390,24 @@ def _engram_gate_fake(hidden, kv, w_hidden, w_embed, clamp, eps):
     return torch.empty_like(hidden)
 
 
-_engram_gate = _reference_op("engram_gate", engram_gate_ref, _engram_gate_fake)
+def _engram_gate_cuda(hidden, kv, w_hidden, w_embed, clamp, eps):
+    why = kernels_off_reason()
+    if why is None and hidden.dtype not in (torch.bfloat16, torch.float32):
+        why = f"hidden has dtype {str(hidden.dtype)[6:]} (the gate kernel takes bfloat16 or float32)"
+    if why is None and kv.dtype != hidden.dtype:
+        why = f"kv has dtype {str(kv.dtype)[6:]}, hidden {str(hidden.dtype)[6:]} (the gate kernel takes one dtype)"
+    if why is None and hidden.shape[-1] % 8:
+        why = f"hidden rows are {hidden.shape[-1]} wide (the gate kernel takes d % 8 == 0)"
+    if why is not None:
+        return why
+    h = _dense(hidden)
+    out = torch.empty_like(h)
+    _ext.ext(h.device).engram_gate(hidden=h, kv=_dense(kv), w_hidden=_dense(w_hidden.float()),
+                                   w_embed=_dense(w_embed.float()), out=out, clamp=clamp, eps=eps)
+    return out
+
+
+_engram_gate = _kernel_op("engram_gate", engram_gate_ref, _engram_gate_fake, _engram_gate_cuda)
 
 
 def engram_gate(hidden: torch.Tensor, kv: torch.Tensor, w_hidden: torch.Tensor, w_embed: torch.Tensor,
