@@ -53,13 +53,16 @@ int64_t fp8_linear_workspace_bytes(const TensorArg& x, const TensorArg& w, const
 
 // x [M, K] -> out [M, N], or x [M, G, K] -> out [M, G, N]; bf16 / fp32 in and out.
 // stream_max_m: dense M up to this runs the streaming kernel (0: never; tests and benchmarks
-// compare the paths).
+// compare the paths); stream_max_splits: its K splits (thread-block cluster size) at most.
 void fp8_linear(const TensorArg& x, const TensorArg& w, const TensorArg& w_scale, const TensorArg& out,
-                const TensorArg& workspace, int64_t stream_max_m) {
+                const TensorArg& workspace, int64_t stream_max_m, int64_t stream_max_splits) {
   const char* op = "fp8_linear";
   LinearProblem p = linear_problem(op, x, w, w_scale);
   if (stream_max_m < 0) arg_error(op, "stream_max_m", "must be >= 0 (got " + std::to_string(stream_max_m) + ")");
   p.stream_max_m = static_cast<int>(std::min<int64_t>(stream_max_m, 64));
+  if (stream_max_splits != 1 && stream_max_splits != 2 && stream_max_splits != 4 && stream_max_splits != 8)
+    arg_error(op, "stream_max_splits", "must be 1, 2, 4 or 8 (got " + std::to_string(stream_max_splits) + ")");
+  p.stream_max_splits = static_cast<int>(stream_max_splits);
   Check co(op, "out", out);
   co.dtype({DType::kBF16, DType::kF32});
   if (p.groups > 0) co.shape({p.M, p.groups, p.N});
@@ -84,6 +87,7 @@ void register_gemm(py::module_& m) {
         py::arg("w_scale"), "workspace bytes fp8_linear needs for x times w (on x's device)");
   m.def("fp8_linear", &api::fp8_linear, py::kw_only(), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("out"),
         py::arg("workspace"), py::arg("stream_max_m") = 64,
+        py::arg("stream_max_splits") = 8,
         "x [M, K] or [M, groups, K] bf16 / fp32 times fp8 / mxfp4 w -> out [M, N] or [M, groups, N] bf16 / fp32");
 }
 

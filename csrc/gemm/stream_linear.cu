@@ -384,7 +384,7 @@ bool stream_plan(const LinearProblem& p, int max_m, StreamPlan& pl) {
   const int ntiles = ceil_div(p.N, kTileRows), KB = ceil_div(p.K, 128);
   const int D = 2 * num_sms();  // CTAs wanted: two per SM
   int S = 1;
-  while (S < 8 && 2 * S <= KB && ntiles * S < D) S *= 2;
+  while (2 * S <= p.stream_max_splits && 2 * S <= KB && ntiles * S < D) S *= 2;
   int cps = ceil_div(KB, S);
   while (S > 1 && (S - 1) * cps >= KB) cps = ceil_div(KB, S /= 2);  // no empty split
   int T = std::max(1, ceil_div(ntiles * S, D));

@@ -112,6 +112,8 @@ def _quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: st
 
 SMALL_M = 64  # rows up to which our weight-streaming kernels beat cuBLASLt (anchors-v4.md)
 STREAM_MAX_M = 64  # dense rows up to which the one-launch streaming kernel runs (0: the grouped kernel)
+STREAM_FMTS = ("fp8", "mxfp4")  # weight formats it runs for
+STREAM_MAX_SPLITS = 8  # its K splits (thread-block cluster size) at most: 1, 2, 4 or 8
 
 
 def linear_gap(x_dtype: torch.dtype, K: int, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> Optional[str]:
@@ -156,7 +158,9 @@ def _fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torc
     """Our kernel: x [M, K] -> out [M, N], or x [M, G, Kg] -> out [M, G, R] (block-diagonal w)."""
     C = _ext.ext(x.device)
     work = torch.empty(C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=scale), dtype=torch.uint8, device=x.device)
-    C.fp8_linear(x=x, w=w, w_scale=scale, out=out, workspace=work, stream_max_m=STREAM_MAX_M)
+    fmt = "fp8" if w.dtype == torch.float8_e4m3fn else "mxfp4"
+    C.fp8_linear(x=x, w=w, w_scale=scale, out=out, workspace=work,
+                 stream_max_m=STREAM_MAX_M if fmt in STREAM_FMTS else 0, stream_max_splits=STREAM_MAX_SPLITS)
 
 
 @_quant_linear.register_kernel("cuda")
