@@ -14,6 +14,7 @@ BENCHES = [
     "bench_attention",
     "bench_moe",
     "bench_linear",
+    "bench_engram",
 ]
 
 

@@ -252,14 +252,18 @@ def test_prefetch_side_stream(host):
         del junk
 
 
-def test_prefetch_in_model_steps():
-    """attach_prefetch on the tiny V4.1 model: the step's lookups return the prefetched rows,
-    equal to the direct lookups; ids the prefetch did not start fall back to the lookup."""
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_prefetch_in_model_steps(placement):
+    """attach_prefetch on the tiny V4.1 model's hasher and tables: the step's lookups return
+    the prefetched rows, equal to the direct lookups; ids the prefetch did not start (e.g. cut
+    by a replay) fall back to the lookup."""
     from deepfuse.models import tiny
 
-    model = tiny.load("v4.1", device=DEV, dtype=torch.float32)
+    model = tiny.load("v4.1")  # CPU; only the tables move (the hasher's constants follow the ids)
     hasher = model.engram_hasher
     tables = model.engram_tables()
+    for t in tables:
+        t.place(t.weight, t.scale, torch.device(DEV), placement)
     N = 23
     ids = torch.randint(0, model.cfg.vocab_size, (N,), generator=_g(4)).to(DEV)
     positions = torch.arange(N, device=DEV) + 5
@@ -267,7 +271,7 @@ def test_prefetch_in_model_steps():
     hist = torch.randint(0, 1000, (N, hasher.max_ngram - 1), generator=_g(5)).to(DEV)
     plain = hasher.step_hashes(ids, positions, starts, hist)
     want = [t(plain[:, l], torch.float32) for l, t in enumerate(tables)]
-    pf = attach_prefetch(model, max_tokens=64)
+    pf = attach_prefetch(model, max_tokens=64, dtype=torch.float32, device=DEV)
     assert pf is not None
     h = hasher.step_hashes(ids, positions, starts, hist)
     assert torch.equal(h, plain) and pf.n == N

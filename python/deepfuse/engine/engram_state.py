@@ -98,21 +98,25 @@ class EngramPrefetch:
         return ids.data_ptr() == v.data_ptr() and ids.shape == v.shape and ids.stride() == v.stride()
 
 
-def attach_prefetch(model, max_tokens: int, dtype: Optional[torch.dtype] = None) -> Optional[EngramPrefetch]:
+def attach_prefetch(model, max_tokens: int, dtype: Optional[torch.dtype] = None,
+                    device=None) -> Optional[EngramPrefetch]:
     """Prefetch a V4.1 model's Engram rows in its engine steps (models/v41.py forward_step):
     the hasher's step_hashes starts the gather of every table, each Engram table's lookup of
     those ids returns the prefetched rows (other ids, e.g. cut by a replay, gather as before).
     Instance attributes only (model code unchanged); returns the EngramPrefetch, None for a
-    model without Engram or off the GPU."""
+    model without Engram or off the GPU. device: the GPU of the steps (default: the tables'
+    if they are on one, else the model's first CUDA parameter's)."""
     hasher = getattr(model, "engram_hasher", None)
     tables = model.engram_tables() if hasher is not None else []
     if not tables or tables[0].weight.device.type == "meta":
         return None
-    dev = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    dev = device if device is not None else tables[0].weight.device
+    if torch.device(dev).type != "cuda":
+        dev = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
     if dev is None:
         return None
     pf = EngramPrefetch([(t.weight, t.scale) for t in tables], max_tokens, model.cfg.engram_cols,
-                        dtype or model.dtype, dev)
+                        dtype or getattr(model, "dtype", torch.float32), dev)
     step_hashes = type(hasher).step_hashes
 
     def hashes_and_start(*args, **kwargs):
