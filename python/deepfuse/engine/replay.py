@@ -134,3 +134,18 @@ def make_replay(model, config) -> Optional[ReplayPlanner]:
     if isinstance(K, int) and not isinstance(K, bool) and K == 0:
         return None
     return ReplayPlanner(model.cfg, K)
+
+
+def encoder_replay_context(ctx) -> None:
+    """Encoder-side SWA bounded replay (APPROXIMATE; SGLang encoder_swa_replay, vLLM PR 56227):
+    turn a step context whose chunks re-run the last Ke tokens before a prefix hit of n tokens
+    (chunk [n - Ke, n), num_logits 0) into the replay step that rebuilds the window rows the hit
+    did not keep: every layer runs, no window reads a row before its chunk's start (the ring
+    holds nothing valid there), and no compressor runs (ctx.compress = False: the hit's
+    compressed rows, indexer keys and open-group states stay as cached). In place."""
+    win = ctx.window
+    W = win.win_idx.shape[1]
+    start = torch.as_tensor(np.repeat(np.asarray(ctx.starts, np.int64), ctx.counts), device=ctx.positions.device)
+    kpos = ctx.positions[:, None] - (W - 1) + torch.arange(W, device=ctx.positions.device)[None, :]
+    ctx.window = WindowPlan(win.win_idx.masked_fill(kpos < start[:, None], -1), win.scratch_slots, win.ring_slots)
+    ctx.compress = False

@@ -389,7 +389,7 @@ class V41Attention(AttentionProjections):
         extra = {}
         if self.ratio:
             plan = ctx.plans[(self.ratio, False)]
-            if self.compressor is not None:
+            if self.compressor is not None and getattr(ctx, "compress", True):  # off: encoder-side replay
                 self.compressor.step(x, plan, cache, rope, self.indexer)
             if self.indexer is not None:
                 shared["sel"] = self.indexer.step(x, qr, ctx, plan, cache, cos, sin, shared)
