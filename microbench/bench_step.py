@@ -83,7 +83,7 @@ def start_requests(eng, B: int, context: int, g) -> None:
     V = eng.vocab_size
     for i in range(B):
         eng.add_request(f"s{i}", torch.randint(0, V, (context,), generator=g, device="cpu").tolist(),
-                        SamplingParams(max_tokens=120, ignore_eos=True))
+                        SamplingParams(max_tokens=400, ignore_eos=True))
     sch, cache = eng.scheduler, eng.cache
     while sch.waiting:
         req = sch.waiting.popleft()
@@ -161,7 +161,9 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", type=int, default=0, help="MTP drafts per step (speculative decoding)")
     ap.add_argument("--acc", type=float, default=None, help="simulated mean accepted length (with --spec)")
     ap.add_argument("--overlap", action="store_true",
-                    help="also run unsynchronised overlapped steps and report the GPU idle fraction between them")
+                    help="also run unsynchronised overlapped steps: wall ms per step, tokens/s per request, how "
+                         "many speculative steps launched before the previous one was read back (early_steps), "
+                         "the GPU idle fraction between steps (CUDA)")
     ap.add_argument("--reference", action="store_true",
                     help="every model-graph op through its torch reference (the eager baseline)")
     a = ap.parse_args(argv)
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
     for ctx in a.contexts:
         for B in a.batches:
             llm = LLM(model, kv_dtype="fp8", max_num_seqs=B, max_num_batched_tokens=max(256, B * 4),
-                      max_total_tokens=B * (ctx + 128), max_model_len=ctx + 128, overlap=False,
+                      max_total_tokens=B * (ctx + 512), max_model_len=ctx + 512, overlap=False,
                       cuda_graphs=not (a.no_graphs or a.reference), num_speculative_tokens=a.spec,
                       spec_simulate_acc_len=a.acc)
             eng = llm.engine
@@ -237,15 +239,31 @@ def main(argv=None) -> int:
             if copy:
                 row["floor_ms"] = fl / copy * 1e3
                 row["x_floor"] = step / (fl / copy)
-            if a.overlap and dev.type == "cuda":  # GPU idle between steps of the overlapped loop
-                eng.overlap, eng.gpu_events = True, []
-                for _ in range(2 * a.steps):
+            if a.overlap:  # the overlapped loop: wall time per step, tokens/s, GPU idle between steps
+                cuda = dev.type == "cuda"
+                eng.overlap, eng.gpu_events = True, [] if cuda else None
+                eng.step()  # the first overlapped step (nothing in flight yet)
+                spec1, e0, n = eng.stats().get("spec"), eng.runner.early_steps, 2 * a.steps
+                _sync(dev)
+                t = time.perf_counter()
+                for _ in range(n):
                     eng.step()
                 _sync(dev)
-                ev = eng.gpu_events
-                gaps = [max(0.0, x[1].elapsed_time(y[0])) for x, y in zip(ev, ev[1:])]
-                busy = [s_.elapsed_time(e_) for s_, e_ in ev[1:]]
-                row["gpu_idle_frac"] = sum(gaps) / max(sum(gaps) + sum(busy), 1e-9)
+                ov = (time.perf_counter() - t) / n
+                row["overlap_step_ms"] = ov * 1e3
+                row["early_steps"] = eng.runner.early_steps - e0  # steps launched before the previous read-back
+                tps = 1.0
+                if a.spec:
+                    st = eng.stats()["spec"]
+                    rv = st["verify_steps"] - spec1["verify_steps"]
+                    tps = ((st["mean_accepted_length"] or 0) * st["verify_steps"]
+                           - (spec1["mean_accepted_length"] or 0) * spec1["verify_steps"]) / max(rv, 1)
+                row["overlap_tok_s_per_req"] = tps / ov
+                if cuda:
+                    ev = eng.gpu_events
+                    gaps = [max(0.0, x[1].elapsed_time(y[0])) for x, y in zip(ev, ev[1:])]
+                    busy = [s_.elapsed_time(e_) for s_, e_ in ev[1:]]
+                    row["gpu_idle_frac"] = sum(gaps) / max(sum(gaps) + sum(busy), 1e-9)
                 eng.gpu_events = None
                 while eng._inflight is not None:  # settle the step in flight: the profile below runs the plain loop
                     eng.overlap = False
