@@ -560,16 +560,18 @@ class Engine:
 
     def _early_ok(self, f: _Inflight) -> bool:
         """Step N+1 can be launched before step N (f) is read back: speculation without
-        prefix caching on a runner that builds verify contexts on the device; nothing
-        waits; every running request ran in N, sampled, drafted, has no constraint; the
+        prefix caching on a runner that builds verify contexts on the device; no waiting
+        request could be admitted (max_num_seqs running); every running request ran in N, sampled, drafted, has no constraint; the
         cache holds the worst case (N accepting all its drafts, then N+1's k + 1 tokens and
         its k - 1 chained draft rows) within max_model_len."""
         r, res = self.runner, f.res
         if (self.prefix is not None or f.rows is not None or not r.early_capable or res.drafts is None
-                or self.spec.force_drafts is not None):  # (the hook rewrites drafts on the host)
-            return False
+                or self.spec.force_drafts is not None or getattr(r, "dspark", None) is not None):
+            return False  # (the hook rewrites drafts on the host; DSpark drafts its own way)
         b, sch, k = res.batch, self.scheduler, self.spec.k
-        if sch.waiting or len(sch.running) != len(b.chunks):
+        if sch.waiting and len(sch.running) < sch.max_num_seqs and self.cache.free_slots:
+            return False  # a waiting request may be admitted: the plain path schedules
+        if len(sch.running) != len(b.chunks):
             return False
         need, seen = 0, set()
         for i, c in enumerate(b.chunks):
