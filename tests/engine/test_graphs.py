@@ -150,6 +150,8 @@ def _matrix_run(model, k, graphs, overlap, constrained, temperature):
             assert got[rid][0] == c.accepted and all(t % 3 != 1 for t in c.accepted)
     if k and not constrained:
         assert eng.stats()["spec"]["verify_steps"] > 0
+        if overlap:  # verify steps launched before the previous step was read back
+            assert eng.runner.early_steps > 0
     assert_cache_empty(eng)
     return got
 
