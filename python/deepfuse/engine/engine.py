@@ -269,8 +269,9 @@ class Engine:
         """Run one step -> the outputs of the requests that advanced or ended. With overlap a
         step's tokens are read back (and reported) by the next call: without speculation
         after that call has launched the following step (a request's last token is patched
-        in on the device), with speculation before it schedules (the read waits for the
-        accepted tokens only; the step's drafting still runs on the device)."""
+        in on the device); with speculation also after launching the following verify step
+        where that step needs no scheduling (_early_ok), else before it schedules (the read
+        waits for the accepted tokens only; the step's drafting still runs on the device)."""
         outs = [RequestOutput(r.request_id, r.prompt_token_ids, [], True, "abort") for r in self._aborted]
         self._aborted.clear()
         if self.overlap:
