@@ -39,15 +39,16 @@ struct StreamArgs {
   int M, N, K, KB;    // KB: 128-K chunks
   int ntiles;         // 64-row weight tiles
   int S, cps, T;      // K splits (cluster size), chunks per split, tiles per CTA
+  int stages;         // weight ring depth
   bool x_bf16, out_bf16, scale_u8;
 };
 
 constexpr int kTileRows = 64;
 constexpr int kMaxChunksPerCta = 64;  // bounds the preloaded weight scales
 
+constexpr int kMaxStages = 32;
 template <bool MX>
 struct SCfg {
-  static constexpr int STAGES = MX ? 16 : 8;     // 64 KB in flight per CTA either way
   static constexpr int SB = MX ? 4096 : 8192;    // one stage: 64 rows x one 128-K chunk
 };
 
@@ -57,11 +58,11 @@ struct SLayout {
 
 __host__ __device__ inline int red_stride(int BT) { return BT + 4; }
 
-__host__ __device__ inline SLayout stream_layout(bool mx, int BT, int cps, int T, int S) {
+__host__ __device__ inline SLayout stream_layout(bool mx, int BT, int cps, int T, int S, int stages) {
   SLayout L{};
   int off = 0;
   L.w = off;
-  off += mx ? 16 * 4096 : 8 * 8192;
+  off += stages * (mx ? 4096 : 8192);
   L.e = off;
   off += mx ? 2 * 8192 : 0;
   L.x = off;
@@ -75,7 +76,7 @@ __host__ __device__ inline SLayout stream_layout(bool mx, int BT, int cps, int T
   off += S > 1 ? kTileRows * red_stride(BT) * 4 : 0;
   off = (off + 7) & ~7;
   L.bar = off;
-  off += (mx ? 16 : 8) * 8;
+  off += stages * 8;
   L.total = off + 1024;
   return L;
 }
@@ -128,39 +129,48 @@ __device__ __forceinline__ void wgmma_bt(float (&d)[BT / 2], uint64_t da, uint64
 
 // The CTA's activations: rows [0, BT) (zeros from M on), chunks kc0 .. kc0 + nck - 1 -> e4m3 in
 // swizzled [BT x 128] tiles per chunk + one fp32 scale per row per chunk (fp8_group_cast's math).
-template <int BT>
+// A thread owns 8 values of one (chunk, row) at a time; U of them are loaded before any is used.
+template <int BT, typename XT>
 __device__ __forceinline__ void cast_x(const StreamArgs& a, int kc0, int nck, char* sX, float* sXS) {
-  constexpr int U = 4;
+  constexpr bool kBf16 = sizeof(XT) == 2;
+  constexpr int U = kBf16 ? 16 : 8, V = kBf16 ? 1 : 2;  // 16-byte loads per item
   const int items = nck * BT * 16, tid = threadIdx.x;
+  const XT* x = static_cast<const XT*>(a.x);
   for (int q0 = 0; q0 < items; q0 += 128 * U) {
-    float v[U][8];
+    uint4 raw[U][V];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = q0 + u * 128 + tid, kc = q / (BT * 16), r = (q >> 4) % BT, p = q & 15;
       const int k = (kc0 + kc) * 128 + p * 8;
       const bool ok = q < items && r < a.M && k < a.K;
-      if (ok && a.x_bf16) load8(static_cast<const __nv_bfloat16*>(a.x) + static_cast<int64_t>(r) * a.K + k, v[u]);
-      else if (ok) load8(static_cast<const float*>(a.x) + static_cast<int64_t>(r) * a.K + k, v[u]);
-      else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[u][i] = 0.0f;
-      }
+      for (int h = 0; h < V; ++h)
+        raw[u][h] = ok ? __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(r) * a.K + k) + h)
+                       : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int q = q0 + u * 128 + tid, kc = q / (BT * 16), r = (q >> 4) % BT, p = q & 15;
+      float v[8];
+      if constexpr (kBf16) {
+        widen8(raw[u][0], v);
+      } else {
+        const float* f0 = reinterpret_cast<const float*>(&raw[u][0]);
+        const float* f1 = reinterpret_cast<const float*>(&raw[u][1]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = f0[i], v[4 + i] = f1[i];
+      }
       float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[u][i]));
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[i]));
 #pragma unroll
       for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
       const float s = fp32_scale(amax), mul = 1.0f / s;  // IEEE reciprocal, as the cast
-      float o[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) o[i] = v[u][i] * mul;
+      for (int i = 0; i < 8; ++i) v[i] *= mul;
       if (q < items) {
         *reinterpret_cast<uint2*>(sX + kc * BT * 128 + r * 128 + ((((p >> 1) ^ (r & 7)) << 4) | ((p & 1) << 3))) =
-            to_e4m3x8(o);
+            to_e4m3x8(v);
         if (p == 0) sXS[kc * BT + r] = s;
       }
     }
@@ -187,7 +197,8 @@ __global__ void __launch_bounds__(128, 1) stream_linear_kernel(const StreamArgs 
   constexpr int R = BT / 2;
   extern __shared__ char smem_raw[];
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const SLayout L = stream_layout(MX, BT, a.cps, a.T, a.S);
+  const int STAGES = a.stages;
+  const SLayout L = stream_layout(MX, BT, a.cps, a.T, a.S, STAGES);
   const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 5, g = lane >> 2, t4 = lane & 3;
   const int split = blockIdx.x;
   const int kc0 = split * a.cps, nck = max(0, min(a.KB, kc0 + a.cps) - kc0);
@@ -199,19 +210,20 @@ __global__ void __launch_bounds__(128, 1) stream_linear_kernel(const StreamArgs 
   float* sXS = reinterpret_cast<float*>(base + L.xs);
 
   auto issue = [&](int i) {  // one thread: chunk i -> stage i % STAGES
-    const int st = i % C::STAGES, t = i / nck, kc = i % nck;
+    const int st = i % STAGES, t = i / nck, kc = i % nck;
     const uint32_t bar = gemm::smem_u32(bars + st);
     mbar_expect_tx(bar, C::SB);
     tma_load_2d(gemm::smem_u32(sW + st * C::SB), &tmap, (kc0 + kc) * (MX ? 64 : 128), (tile0 + t) * kTileRows, bar);
   };
   if (tid == 0) {
-    for (int s = 0; s < C::STAGES; ++s) mbar_init(gemm::smem_u32(bars + s), 1);
+    for (int s = 0; s < STAGES; ++s) mbar_init(gemm::smem_u32(bars + s), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     gemm::fence_proxy_async();
-    for (int i = 0; i < min(total, C::STAGES); ++i) issue(i);
+    for (int i = 0; i < min(total, STAGES); ++i) issue(i);
   }
 
-  cast_x<BT>(a, kc0, nck, sX, sXS);
+  if (a.x_bf16) cast_x<BT, __nv_bfloat16>(a, kc0, nck, sX, sXS);
+  else cast_x<BT, float>(a, kc0, nck, sX, sXS);
   if (!MX) {  // the 128 x 128 block scale of every chunk of the CTA
     float* sWS = reinterpret_cast<float*>(base + L.ws);
     for (int q = tid; q < total; q += 128) {
@@ -301,8 +313,8 @@ __global__ void __launch_bounds__(128, 1) stream_linear_kernel(const StreamArgs 
 #pragma unroll
       for (int j = 0; j < R; ++j) acc[j] = 0.0f;
       for (int kc = 0; kc < nck; ++kc, ++i) {
-        const int st = i % C::STAGES;
-        mbar_wait(gemm::smem_u32(bars + st), (i / C::STAGES) & 1);
+        const int st = i % STAGES;
+        mbar_wait(gemm::smem_u32(bars + st), (i / STAGES) & 1);
         __syncwarp();
         const uint32_t wa = gemm::smem_u32(sW + st * C::SB), xa = gemm::smem_u32(sX + kc * BT * 128);
         float part[R];
@@ -316,7 +328,7 @@ __global__ void __launch_bounds__(128, 1) stream_linear_kernel(const StreamArgs 
         gemm::wgmma_wait0();
         gemm::fence_regs(part);
         __syncthreads();  // every warp's wgmmas on stage st are done: refill it
-        if (tid == 0 && i + C::STAGES < total) issue(i + C::STAGES);
+        if (tid == 0 && i + STAGES < total) issue(i + STAGES);
         gemm::promote<BT>(acc, part, ws, ws, sa);
       }
       epilogue(t);
@@ -329,7 +341,7 @@ __global__ void __launch_bounds__(128, 1) stream_linear_kernel(const StreamArgs 
       decode_mx(sW, sE);
       gemm::fence_proxy_async();
       __syncthreads();
-      if (tid == 0 && C::STAGES < total) issue(C::STAGES);
+      if (tid == 0 && STAGES < total) issue(STAGES);
     }
     int i = 0;
     for (int t = 0; t < Tc; ++t) {
@@ -344,8 +356,8 @@ __global__ void __launch_bounds__(128, 1) stream_linear_kernel(const StreamArgs 
         for (int j = 0; j < 4; ++j) wgmma_bt<BT>(part[j], gemm::smem_desc(ea + j * 32), gemm::smem_desc(xa + j * 32), 0);
         gemm::wgmma_commit();
         if (i + 1 < total) {  // decode the next chunk while these wgmmas run
-          const int st1 = (i + 1) % C::STAGES;
-          mbar_wait(gemm::smem_u32(bars + st1), ((i + 1) / C::STAGES) & 1);
+          const int st1 = (i + 1) % STAGES;
+          mbar_wait(gemm::smem_u32(bars + st1), ((i + 1) / STAGES) & 1);
           decode_mx(sW + st1 * C::SB, sE + ((i + 1) & 1) * 8192);
           gemm::fence_proxy_async();
         }
@@ -356,7 +368,7 @@ __global__ void __launch_bounds__(128, 1) stream_linear_kernel(const StreamArgs 
 #pragma unroll
         for (int j = 0; j < 4; ++j) gemm::fence_regs(part[j]);
         __syncthreads();  // chunk i + 1 decoded (its stage free), chunk i's wgmmas done (its tile free)
-        if (tid == 0 && i + 1 + C::STAGES < total) issue(i + 1 + C::STAGES);
+        if (tid == 0 && i + 1 + STAGES < total) issue(i + 1 + STAGES);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float w0 = gemm::ue8m0_value((sc0 >> (8 * j)) & 0xFF) * 64.0f;
@@ -375,25 +387,35 @@ __global__ void __launch_bounds__(128, 1) stream_linear_kernel(const StreamArgs 
 
 // ---------------------------------------------------------------------------- host
 struct StreamPlan {
-  int BT = 0, S = 1, cps = 0, T = 1, ny = 0, smem = 0;
+  int BT = 0, S = 1, cps = 0, T = 1, ny = 0, stages = 0, smem = 0;
 };
 
+// Work split for `occ` CTAs per SM: K splits S (a power of two <= 8, while 64-row tiles x S
+// leave SMs idle), tiles per CTA T (one wave), then the deepest weight ring that fits occ CTAs
+// per SM. The largest occ whose ring holds >= 64 KB wins (bytes in flight per CTA).
 bool stream_plan(const LinearProblem& p, int max_m, StreamPlan& pl) {
   if (p.groups > 0 || p.M < 1 || p.M > max_m || p.M > 64 || p.N < 1) return false;
   pl.BT = p.M <= 8 ? 8 : p.M <= 16 ? 16 : p.M <= 32 ? 32 : 64;
   const int ntiles = ceil_div(p.N, kTileRows), KB = ceil_div(p.K, 128);
-  const int D = 2 * num_sms();  // CTAs wanted: two per SM
-  int S = 1;
-  while (2 * S <= p.stream_max_splits && 2 * S <= KB && ntiles * S < D) S *= 2;
-  int cps = ceil_div(KB, S);
-  while (S > 1 && (S - 1) * cps >= KB) cps = ceil_div(KB, S /= 2);  // no empty split
-  int T = std::max(1, ceil_div(ntiles * S, D));
-  T = std::min(T, std::max(1, kMaxChunksPerCta / cps));
-  if (cps > kMaxChunksPerCta) return false;
-  const SLayout L = stream_layout(p.mxfp4, pl.BT, cps, T, S);
-  if (L.total > 227 * 1024) return false;
-  pl.S = S, pl.cps = cps, pl.T = T, pl.ny = ceil_div(ntiles, T), pl.smem = L.total;
-  return true;
+  const int SB = p.mxfp4 ? 4096 : 8192;
+  for (int occ = 3; occ >= 1; --occ) {
+    const int D = occ * num_sms();
+    int S = 1;
+    while (2 * S <= p.stream_max_splits && 2 * S <= KB && ntiles * S < D) S *= 2;
+    int cps = ceil_div(KB, S);
+    while (S > 1 && (S - 1) * cps >= KB) cps = ceil_div(KB, S /= 2);  // no empty split
+    if (cps > kMaxChunksPerCta) continue;
+    int T = std::max(1, ceil_div(ntiles * S, D));
+    T = std::min(T, std::max(1, kMaxChunksPerCta / cps));
+    const int budget = std::min(227 * 1024, 228 * 1024 / occ - 1024);  // 1 KB per CTA reserved
+    const int other = stream_layout(p.mxfp4, pl.BT, cps, T, S, 0).total;
+    const int stages = std::min(kMaxStages, (budget - other) / (SB + 8));
+    if (stages * SB < 64 * 1024 && !(occ == 1 && stages >= 4)) continue;
+    pl.S = S, pl.cps = cps, pl.T = T, pl.ny = ceil_div(ntiles, T), pl.stages = stages;
+    pl.smem = stream_layout(p.mxfp4, pl.BT, cps, T, S, stages).total;
+    return pl.smem <= 227 * 1024;
+  }
+  return false;
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
@@ -462,7 +484,7 @@ bool stream_linear(const LinearProblem& p, int max_m, const void* x, bool x_bf16
   StreamArgs a{};
   a.x = x, a.out = out, a.scale = p.scale;
   a.M = static_cast<int>(p.M), a.N = p.N, a.K = p.K, a.KB = ceil_div(p.K, 128), a.ntiles = ceil_div(p.N, kTileRows);
-  a.S = pl.S, a.cps = pl.cps, a.T = pl.T;
+  a.S = pl.S, a.cps = pl.cps, a.T = pl.T, a.stages = pl.stages;
   a.x_bf16 = x_bf16, a.out_bf16 = out_bf16, a.scale_u8 = p.scale_u8;
   if (p.mxfp4) launch_bt<true>(a, map, pl, stream);
   else launch_bt<false>(a, map, pl, stream);
