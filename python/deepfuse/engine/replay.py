@@ -133,6 +133,11 @@ def make_replay(model, config) -> Optional[ReplayPlanner]:
     K = getattr(config, "swa_replay_window", 0)
     if isinstance(K, int) and not isinstance(K, bool) and K == 0:
         return None
+    if getattr(config, "num_speculative_tokens", 0):
+        # DSpark reads the target layers' features by full-step rows; under replay the late
+        # targets (37-39 of Flash) hold the kept rows only (engine/dspark_runner.py would map them)
+        raise ValueError("deepfuse: swa_replay_window with num_speculative_tokens > 0 is not supported yet (DSpark "
+                         "reads late-layer features of every row of a step)")
     return ReplayPlanner(model.cfg, K)
 
 
