@@ -19,6 +19,13 @@ POISON = 12345.0  # never a dequantised value (4 significant bits times a power 
 BF16_REL = 2.0 ** -7  # largest relative spacing of bf16
 
 
+@pytest.fixture(autouse=True)
+def _kernels_on():
+    prev = E.set_kernels(True)
+    yield
+    E.set_kernels(prev)
+
+
 def _g(seed, dev="cpu"):
     return torch.Generator(device=dev).manual_seed(seed)
 

@@ -162,6 +162,24 @@ def ngram_ids(cids: torch.Tensor, pad_id: int, max_ngram: int, history: Optional
     return torch.stack(cols, dim=-1)
 
 
+_KERNELS = True  # the csrc/engram kernels serve CUDA calls (set_kernels)
+
+
+def set_kernels(enabled: bool) -> bool:
+    """Switch the CUDA paths of the Engram ops between csrc/engram's kernels and the policy of
+    an op without a kernel (the reference where allowed, else NoKernelError); returns the
+    previous setting."""
+    global _KERNELS
+    prev, _KERNELS = _KERNELS, bool(enabled)
+    return prev
+
+
+def _off_reason() -> Optional[str]:
+    if not _KERNELS:
+        return "the Engram kernels are switched off (ops.engram.set_kernels)"
+    return kernels_off_reason()
+
+
 def _kernel_op(name: str, ref: Callable, fake: Callable, kernel: Callable) -> Op:
     """deepfuse::<name> whose CPU path is `ref`; its CUDA path `kernel(*args)` returns the
     output, or a str saying why the kernel cannot serve the call (then the reference runs
@@ -216,7 +234,7 @@ def _engram_hash_fake(ngram, multipliers, primes, offsets):
 
 
 def _engram_hash_cuda(ngram, multipliers, primes, offsets):
-    why = kernels_off_reason()
+    why = _off_reason()
     if why is not None:
         return why
     out = torch.empty(ngram.shape[0], multipliers.shape[0], primes.shape[1], dtype=torch.int64, device=ngram.device)
@@ -274,7 +292,7 @@ def _engram_lookup_fake(table, scale, ids, out_dtype):
 
 
 def _engram_lookup_cuda(table, scale, ids, out_dtype):
-    why = kernels_off_reason() or _table_gap(table, scale, ids.device)
+    why = _off_reason() or _table_gap(table, scale, ids.device)
     if why is not None:
         return why
     out = torch.empty(ids.shape[0], ids.shape[1], table.shape[1], dtype=out_dtype, device=ids.device)
@@ -314,7 +332,7 @@ def lookup_into(out: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, ids
     check_tensor(name, "ids", ids, dtypes=_INTS, ndim=2)
     check_tensor(name, "out", out, dtypes=_FLOATS, shape=(ids.shape[0], ids.shape[1], table.shape[1]),
                  device=ids.device, contiguous=True)
-    why = kernels_off_reason() or _table_gap(table, scale, ids.device)
+    why = _off_reason() or _table_gap(table, scale, ids.device)
     if why is not None:
         from deepfuse.ops._fallback import NoKernelError
         raise NoKernelError(f"deepfuse: {name}: {why}")
@@ -335,7 +353,7 @@ def _engram_embed_fake(ngram, multipliers, primes, offsets, table, scale, out_dt
 
 
 def _engram_embed_cuda(ngram, multipliers, primes, offsets, table, scale, out_dtype):
-    why = kernels_off_reason() or _table_gap(table, scale, ngram.device)
+    why = _off_reason() or _table_gap(table, scale, ngram.device)
     if why is not None:
         return why
     out = torch.empty(ngram.shape[0], primes.shape[0], table.shape[1], dtype=out_dtype, device=ngram.device)
@@ -391,7 +409,7 @@ def _engram_gate_fake(hidden, kv, w_hidden, w_embed, clamp, eps):
 
 
 def _engram_gate_cuda(hidden, kv, w_hidden, w_embed, clamp, eps):
-    why = kernels_off_reason()
+    why = _off_reason()
     if why is None and hidden.dtype not in (torch.bfloat16, torch.float32):
         why = f"hidden has dtype {str(hidden.dtype)[6:]} (the gate kernel takes bfloat16 or float32)"
     if why is None and kv.dtype != hidden.dtype:
