@@ -162,21 +162,31 @@ def ngram_ids(cids: torch.Tensor, pad_id: int, max_ngram: int, history: Optional
     return torch.stack(cols, dim=-1)
 
 
-_KERNELS = True  # the csrc/engram kernels serve CUDA calls (set_kernels)
+_ALL_KERNELS = frozenset(("engram_hash", "engram_lookup", "engram_embed", "engram_gate"))
+_KERNELS = set(_ALL_KERNELS)  # ops whose csrc/engram kernel serves CUDA calls (set_kernels)
 
 
-def set_kernels(enabled: bool) -> bool:
-    """Switch the CUDA paths of the Engram ops between csrc/engram's kernels and the policy of
-    an op without a kernel (the reference where allowed, else NoKernelError); returns the
-    previous setting."""
-    global _KERNELS
-    prev, _KERNELS = _KERNELS, bool(enabled)
+def set_kernels(enabled, ops=None) -> frozenset:
+    """Switch the CUDA paths of the Engram ops (`ops`, default all) between csrc/engram's
+    kernels and the policy of an op without a kernel (the reference where allowed, else
+    NoKernelError); returns the previous set of ops with kernels on (pass it back as `enabled`
+    to restore)."""
+    prev = frozenset(_KERNELS)
+    if isinstance(enabled, (set, frozenset)):
+        _KERNELS.clear()
+        _KERNELS.update(enabled)
+        return prev
+    names = _ALL_KERNELS if ops is None else frozenset(ops)
+    if enabled:
+        _KERNELS.update(names)
+    else:
+        _KERNELS.difference_update(names)
     return prev
 
 
-def _off_reason() -> Optional[str]:
-    if not _KERNELS:
-        return "the Engram kernels are switched off (ops.engram.set_kernels)"
+def _off_reason(name: str) -> Optional[str]:
+    if name not in _KERNELS:
+        return f"the {name} kernel is switched off (ops.engram.set_kernels)"
     return kernels_off_reason()
 
 
@@ -234,7 +244,7 @@ def _engram_hash_fake(ngram, multipliers, primes, offsets):
 
 
 def _engram_hash_cuda(ngram, multipliers, primes, offsets):
-    why = _off_reason()
+    why = _off_reason("engram_hash")
     if why is not None:
         return why
     out = torch.empty(ngram.shape[0], multipliers.shape[0], primes.shape[1], dtype=torch.int64, device=ngram.device)
@@ -292,7 +302,7 @@ def _engram_lookup_fake(table, scale, ids, out_dtype):
 
 
 def _engram_lookup_cuda(table, scale, ids, out_dtype):
-    why = _off_reason() or _table_gap(table, scale, ids.device)
+    why = _off_reason("engram_lookup") or _table_gap(table, scale, ids.device)
     if why is not None:
         return why
     out = torch.empty(ids.shape[0], ids.shape[1], table.shape[1], dtype=out_dtype, device=ids.device)
@@ -332,7 +342,7 @@ def lookup_into(out: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, ids
     check_tensor(name, "ids", ids, dtypes=_INTS, ndim=2)
     check_tensor(name, "out", out, dtypes=_FLOATS, shape=(ids.shape[0], ids.shape[1], table.shape[1]),
                  device=ids.device, contiguous=True)
-    why = _off_reason() or _table_gap(table, scale, ids.device)
+    why = _off_reason("engram_lookup") or _table_gap(table, scale, ids.device)
     if why is not None:
         from deepfuse.ops._fallback import NoKernelError
         raise NoKernelError(f"deepfuse: {name}: {why}")
@@ -353,7 +363,7 @@ def _engram_embed_fake(ngram, multipliers, primes, offsets, table, scale, out_dt
 
 
 def _engram_embed_cuda(ngram, multipliers, primes, offsets, table, scale, out_dtype):
-    why = _off_reason() or _table_gap(table, scale, ngram.device)
+    why = _off_reason("engram_embed") or _table_gap(table, scale, ngram.device)
     if why is not None:
         return why
     out = torch.empty(ngram.shape[0], primes.shape[0], table.shape[1], dtype=out_dtype, device=ngram.device)
@@ -409,7 +419,7 @@ def _engram_gate_fake(hidden, kv, w_hidden, w_embed, clamp, eps):
 
 
 def _engram_gate_cuda(hidden, kv, w_hidden, w_embed, clamp, eps):
-    why = _off_reason()
+    why = _off_reason("engram_gate")
     if why is None and hidden.dtype not in (torch.bfloat16, torch.float32):
         why = f"hidden has dtype {str(hidden.dtype)[6:]} (the gate kernel takes bfloat16 or float32)"
     if why is None and kv.dtype != hidden.dtype:
