@@ -85,12 +85,13 @@ def test_early_steps_match_the_plain_loop(tiny, k, temperature, graphs):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_early_steps_with_preemption(tiny, graphs):
-    """A cache too small for all requests: preemptions (in read-back-first steps) and early
-    steps in the same run, the same tokens as the plain loop."""
+    """More requests than max_num_seqs and a cache too small for the running ones:
+    preemptions (in read-back-first steps) and early steps (also while requests wait for a
+    free seat) in the same run, the same tokens as the plain loop."""
     prompts = prompts_for([60, 90, 33, 120, 7, 50], tiny.cfg.vocab_size, seed=8)
     sp = [SamplingParams(max_tokens=14 + 3 * i, ignore_eos=True, temperature=0.7 * (i % 2), top_k=20, seed=i)
           for i in range(len(prompts))]
-    kw = dict(max_num_seqs=6, max_num_batched_tokens=64, max_total_tokens=520, num_speculative_tokens=3)
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=64, max_total_tokens=360, num_speculative_tokens=3)
     ref = [o.token_ids for o in LLM(tiny, **kw).generate(prompts, sp)]
     llm = LLM(tiny, **kw, overlap=True, cuda_graphs=graphs)
     if graphs:
@@ -197,3 +198,53 @@ def test_cuda_early_steps_emit_what_the_plain_loop_emits(k):
     print(f"tiny bf16 k={k}: {eng.runner.early_steps} early steps of {eng.num_steps}, {eng.runner.fused_steps} fused")
     assert eng.runner.early_steps > 0 and eng.runner.fused_steps > 0
     assert got == ref
+
+
+def test_early_launch_and_read_back_failures(tiny, monkeypatch):
+    """An early launch that raises runs the step after the read-back instead (same tokens);
+    a read-back that fails while an early step runs ends the requests with rows in it with
+    the error, drops the early step, and the engine goes on."""
+    prompts = prompts_for([9, 30], tiny.cfg.vocab_size, seed=4)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(tiny, max_total_tokens=800, num_speculative_tokens=2).generate(prompts, sp)]
+    llm = LLM(tiny, max_total_tokens=800, num_speculative_tokens=2, overlap=True)
+    eng = llm.engine
+    orig, calls = eng.runner.early_batch, []
+
+    def early_batch(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("no early step")
+        return orig(*a, **kw)
+    monkeypatch.setattr(eng.runner, "early_batch", early_batch)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+    assert len(calls) > 2 and eng.runner.early_steps == len(calls) - 1
+    assert_cache_empty(eng)
+
+    settle, n = eng._settle, []
+
+    def failing(f):
+        n.append(f.res.batch.early is not None)
+        if sum(n) == 2:  # the read-back of an early step, while the next early step runs
+            raise RuntimeError("lost the step")
+        return settle(f)
+    monkeypatch.setattr(eng, "_settle", failing)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"x{i}", p, sp)
+    got = {}
+    for _ in range(100):
+        for o in eng.step():
+            got.setdefault(o.request_id, []).append(o)
+        if not eng.has_unfinished():
+            break
+    assert all(got[f"x{i}"][-1].finish_reason == "error" and "lost the step" in got[f"x{i}"][-1].error
+               for i in range(2))
+    assert_cache_empty(eng)
+    late = LLM(tiny, max_total_tokens=800).generate([prompts[0]], sp)[0].token_ids
+    monkeypatch.setattr(eng, "_settle", settle)
+    eng.add_request("after", prompts[0], sp)
+    toks = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks += o.token_ids
+    assert toks == late

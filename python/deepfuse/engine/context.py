@@ -73,6 +73,14 @@ upload = _Upload()
 _aranges: dict[tuple, torch.Tensor] = {}
 
 
+def _full(n: int, value: int, device: torch.device) -> torch.Tensor:
+    """A cached constant int64 tensor [n] (never written)."""
+    t = _aranges.get((n, value, device))
+    if t is None:
+        t = _aranges[(n, value, device)] = torch.full((n,), value, dtype=torch.int64, device=device)
+    return t
+
+
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     t = _aranges.get((n, device))
     if t is None:
@@ -315,7 +323,7 @@ def verify_arrays(input_ids: torch.Tensor, starts: torch.Tensor, slots: torch.Te
                 torch.where(ok, cu[:, None], 0), torch.where(ok, slots[:, None], 0)]
         cols = [c.reshape(-1) for c in cols]
         if blocks is not None and blocks[i] > len(cols[0]):
-            cols = [torch.cat([c, c.new_full((blocks[i] - len(c),), v)]) for c, v in zip(cols, (0, -1, -L, 0, 0, 0))]
+            cols = [torch.cat([c, _full(blocks[i] - len(c), v, dev)]) for c, v in zip(cols, (0, -1, -L, 0, 0, 0))]
         state = torch.where((positions >= tok_end - Rs) & (tok_slot >= 0), tok_slot * Rs + positions.remainder(Rs), -1)
         out += [(positions + 1) // r, state, n_ent, *cols]
     return out

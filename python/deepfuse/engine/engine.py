@@ -562,7 +562,8 @@ class Engine:
     def _early_ok(self, f: _Inflight) -> bool:
         """Step N+1 can be launched before step N (f) is read back: speculation without
         prefix caching on a runner that builds verify contexts on the device; no waiting
-        request could be admitted (max_num_seqs running); every running request ran in N, sampled, drafted, has no constraint; the
+        request could be admitted (max_num_seqs running); B (k + 1) tokens fit the step's
+        budget; every running request ran in N, sampled, drafted, has no constraint; the
         cache holds the worst case (N accepting all its drafts, then N+1's k + 1 tokens and
         its k - 1 chained draft rows) within max_model_len."""
         r, res = self.runner, f.res
@@ -572,8 +573,8 @@ class Engine:
         b, sch, k = res.batch, self.scheduler, self.spec.k
         if sch.waiting and len(sch.running) < sch.max_num_seqs and self.cache.free_slots:
             return False  # a waiting request may be admitted: the plain path schedules
-        if len(sch.running) != len(b.chunks):
-            return False
+        if len(sch.running) != len(b.chunks) or len(b.chunks) * (k + 1) > sch.max_num_batched_tokens:
+            return False  # (over the token budget the scheduler would cut drafts)
         need, seen = 0, set()
         for i, c in enumerate(b.chunks):
             req = c.req
