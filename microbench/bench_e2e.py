@@ -503,6 +503,8 @@ def parse(argv=None):
                    help="V4.1 Engram buckets per head (rows per table ~24x this; the release: 16M -> 384M rows)")
     v.add_argument("--engram-placement", default="host", choices=["host", "device"])
     v.add_argument("--draft-layers", type=int, default=1, help="V4.1 DSpark stages in the random model")
+    v.add_argument("--no-engram-prefetch", action="store_true",
+                   help="V4.1: no side-stream prefetch of host Engram rows (engram_state.attach_prefetch)")
     v.add_argument("--decode-prompt", type=int, default=1024, help="V4.1 decode: prompt tokens per request")
     v.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="V4.1: an EngineConfig field for every engine (value parsed as JSON, else a string)")
@@ -788,6 +790,11 @@ def main_v41(a) -> int:
                              quant="fp8", expert_quant=a.experts)
     tables = model.engram_tables()
     cut = v41.replay_first_layer(cfg)
+    prefetch = None
+    if a.engram_placement == "host" and not a.no_engram_prefetch:  # None off the GPU
+        from deepfuse.engine.engram_state import attach_prefetch
+
+        prefetch = attach_prefetch(model, max([*a.budgets, a.decode_prompt * max(a.batches)]))
     meta = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(),
             "torch": torch.__version__, "model": "V4.1-Flash-width random" + (" (SMALL widths)" if a.small else ""),
@@ -798,6 +805,7 @@ def main_v41(a) -> int:
             "engram_table_device": [str(t.weight.device) for t in tables],
             "engram_pinned": [bool(t.weight.is_pinned()) for t in tables if t.weight.device.type == "cpu"],
             "engram_table_bytes": sum(t.weight.numel() + t.scale.numel() for t in tables),
+            "engram_prefetch": prefetch is not None,
             "build_s": time.perf_counter() - t0, "engine_args": a.engine_args, "small": a.small,
             "replay": "APPROXIMATE (decoder-side SWA bounded replay, engine/replay.py)"}
     print(f"# V4.1 random model {cfg.ratios} (+{a.draft_layers} DSpark), late layers {cut}.., Engram rows "
