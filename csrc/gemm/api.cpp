@@ -53,7 +53,8 @@ int64_t fp8_linear_workspace_bytes(const TensorArg& x, const TensorArg& w, const
 
 // x [M, K] -> out [M, N], or x [M, G, K] -> out [M, G, N]; bf16 / fp32 in and out.
 // stream_max_m: dense M up to this runs the streaming kernel (0: never; tests and benchmarks
-// compare the paths); stream_max_splits: its K splits (thread-block cluster size) at most.
+// compare the paths); stream_max_splits: it serves only shapes whose plan needs at most this
+// many K splits (thread-block cluster size), the grouped kernel the others.
 void fp8_linear(const TensorArg& x, const TensorArg& w, const TensorArg& w_scale, const TensorArg& out,
                 const TensorArg& workspace, int64_t stream_max_m, int64_t stream_max_splits) {
   const char* op = "fp8_linear";

@@ -17,7 +17,7 @@ struct LinearProblem {
   bool scale_u8 = false;
   int groups = 0;              // > 0: block-diagonal: x [M, groups, K], w [groups * N, K] -> [M, groups, N]
   int stream_max_m = 64;       // dense M up to this: the one-launch streaming kernel (stream_linear.cu)
-  int stream_max_splits = 8;   // its K splits (cluster size) at most: 1, 2, 4 or 8
+  int stream_max_splits = 8;   // served only where its plan needs at most this many K splits (1, 2, 4, 8)
 };
 
 int64_t fp8_linear_workspace_bytes(const LinearProblem& p);

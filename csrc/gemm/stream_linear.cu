@@ -392,7 +392,8 @@ struct StreamPlan {
 
 // Work split for `occ` CTAs per SM: K splits S (a power of two <= 8, while 64-row tiles x S
 // leave SMs idle), tiles per CTA T (one wave), then the deepest weight ring that fits occ CTAs
-// per SM. The largest occ whose ring holds >= 64 KB wins (bytes in flight per CTA).
+// per SM. The largest occ whose ring holds >= 64 KB and whose S <= stream_max_splits wins;
+// none: not served.
 bool stream_plan(const LinearProblem& p, int max_m, StreamPlan& pl) {
   if (p.groups > 0 || p.M < 1 || p.M > max_m || p.M > 64 || p.N < 1) return false;
   pl.BT = p.M <= 8 ? 8 : p.M <= 16 ? 16 : p.M <= 32 ? 32 : 64;
@@ -401,10 +402,10 @@ bool stream_plan(const LinearProblem& p, int max_m, StreamPlan& pl) {
   for (int occ = 3; occ >= 1; --occ) {
     const int D = occ * num_sms();
     int S = 1;
-    while (2 * S <= p.stream_max_splits && 2 * S <= KB && ntiles * S < D) S *= 2;
+    while (2 * S <= 8 && 2 * S <= KB && ntiles * S < D) S *= 2;
     int cps = ceil_div(KB, S);
     while (S > 1 && (S - 1) * cps >= KB) cps = ceil_div(KB, S /= 2);  // no empty split
-    if (cps > kMaxChunksPerCta) continue;
+    if (cps > kMaxChunksPerCta || S > p.stream_max_splits) continue;
     int T = std::max(1, ceil_div(ntiles * S, D));
     T = std::min(T, std::max(1, kMaxChunksPerCta / cps));
     const int budget = std::min(227 * 1024, 228 * 1024 / occ - 1024);  // 1 KB per CTA reserved

@@ -141,10 +141,11 @@ def test_linear_sanitize_small():
         for M in (3, 80):
             x = torch.randn(M, 256, device=DEV, generator=g).to(torch.bfloat16)
             assert torch.isfinite(ops.quant_linear(x, w, s, fmt)).all()
-        wk, sk = make_weight(192, 2048, fmt, "ue8m0", g)  # 16 chunks: a cluster of K splits
+        wk, sk = make_weight(192, 2048, fmt, "ue8m0", g)  # 16 chunks: the streaming kernel's cluster K splits
         for M in (5, 40):
             x = torch.randn(M, 2048, device=DEV, generator=g).to(torch.bfloat16)
-            assert torch.isfinite(ops.quant_linear(x, wk, sk, fmt)).all()
+            out = torch.empty(M, 192, dtype=torch.bfloat16, device=DEV)
+            assert torch.isfinite(_launch(x, wk, sk, out, 64, 8)).all()
         wg, sg = make_weight(4 * 128, 256, fmt, "ue8m0", g)
         for M in (1, 70):
             xg = torch.randn(M, 4, 256, device=DEV, generator=g).to(torch.bfloat16)
@@ -202,7 +203,9 @@ STREAM_SHAPES = [(1024, 4096), (4096, 512), (2048, 200), (8192, 320), (512, 1000
 @pytest.mark.parametrize("K,N", STREAM_SHAPES)
 def test_stream_linear_matches_reference(fmt, scale_fmt, M, K, N, splits):
     """Fresh random inputs, out poisoned with NaN, every element against the emulation bound;
-    the grouped kernel (stream_max_m=0) on the same inputs within the same bound."""
+    the grouped kernel (stream_max_m=0) on the same inputs within the same bound. splits 8: every
+    shape through the streaming kernel (cluster K splits where its plan has them); 1: the default
+    policy (only plans without K splits stream, the others run the grouped kernel)."""
     if fmt == "mxfp4" and K % 128:
         pytest.skip("mxfp4 needs K % 128 == 0")
     g = torch.Generator(device=DEV).manual_seed(M * 1009 + K + N)
@@ -232,14 +235,19 @@ def test_stream_linear_fp32_in_and_out(fmt, M, K, N):
 
 @gpu
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_stream_linear_graph_capturable(fmt):
-    """One graph holding a split-K (cluster) call and a one-split call; replay after poisoning."""
+def test_stream_linear_graph_capturable(fmt, monkeypatch):
+    """One graph holding split-K (cluster) calls and a call without K splits (wq_b's shape);
+    replay after poisoning, then with new inputs."""
+    monkeypatch.setattr(L, "STREAM_MAX_SPLITS", 8)
     g = torch.Generator(device=DEV).manual_seed(11)
     w1, s1 = make_weight(512, 8192, fmt, "ue8m0", g)
     w2, s2 = make_weight(4096, 1024, fmt, "ue8m0", g)
+    w3, s3 = make_weight(32768, 1024, fmt, "ue8m0", g)
     x1 = torch.randn(3, 8192, device=DEV, generator=g).to(torch.bfloat16)
     x2 = torch.randn(40, 1024, device=DEV, generator=g).to(torch.bfloat16)
-    want1, want2 = ops.quant_linear(x1, w1, s1, fmt), ops.quant_linear(x2, w2, s2, fmt)
+    x3 = torch.randn(1, 1024, device=DEV, generator=g).to(torch.bfloat16)
+    calls = [(x1, w1, s1), (x2, w2, s2), (x3, w3, s3)]
+    want = [ops.quant_linear(x, w, s, fmt) for x, w, s in calls]
     st = torch.cuda.Stream()
     st.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st):
@@ -247,16 +255,17 @@ def test_stream_linear_graph_capturable(fmt):
     torch.cuda.current_stream().wait_stream(st)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y1 = ops.quant_linear(x1, w1, s1, fmt)
-        y2 = ops.quant_linear(x2, w2, s2, fmt)
-    y1.fill_(float("nan"))
-    y2.fill_(float("nan"))
+        ys = [ops.quant_linear(x, w, s, fmt) for x, w, s in calls]
+    for y in ys:
+        y.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y1, want1) and torch.equal(y2, want2)
+    assert all(torch.equal(y, w) for y, w in zip(ys, want))
     x1.copy_(torch.randn(3, 8192, device=DEV, generator=g).to(torch.bfloat16))  # new inputs, same graph
+    x3.copy_(torch.randn(1, 1024, device=DEV, generator=g).to(torch.bfloat16))
     graph.replay()
-    _check_against_emulation(y1, x1, w1, s1, fmt)
+    _check_against_emulation(ys[0], x1, w1, s1, fmt)
+    _check_against_emulation(ys[2], x3, w3, s3, fmt)
 
 
 @needs_ext

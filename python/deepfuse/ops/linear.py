@@ -12,8 +12,9 @@ same when it dequantises; DeepSeek's reference quantises activations to FP8 per 
 CUDA (quant_linear and grouped_linear with fp8 / mxfp4 weights): the kernels quantise activations to FP8 e4m3 per token per 128 (fp32 scales), as
 DeepSeek's reference does, and run FP8 MMAs: dense M <= STREAM_MAX_M (64) runs the one-launch
 weight-streaming kernel (csrc/gemm/stream_linear.cu: TMA weight ring, the activation cast fused,
-K splits reduced across a thread-block cluster); grouped (block-diagonal) weights and shapes it
-does not take stream through the grouped GEMM kernel (csrc/gemm); larger M (fp8 weights,
+K splits reduced across a thread-block cluster) where its plan needs <= STREAM_MAX_SPLITS K
+splits (default 1: wide N such as wq_b); grouped (block-diagonal) weights and the other shapes
+stream through the grouped GEMM kernel (csrc/gemm); larger M (fp8 weights,
 K % 128 == 0) goes to cuBLASLt through torch._scaled_mm with DeepSeek's block scales, mxfp4
 always to our kernel.
 `set_activation_quant(False)` (or DEEPFUSE_ACT_QUANT=0) makes quant_linear, grouped_linear and
@@ -113,7 +114,10 @@ def _quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: st
 SMALL_M = 64  # rows up to which our weight-streaming kernels beat cuBLASLt (anchors-v4.md)
 STREAM_MAX_M = 64  # dense rows up to which the one-launch streaming kernel runs (0: the grouped kernel)
 STREAM_FMTS = ("fp8", "mxfp4")  # weight formats it runs for
-STREAM_MAX_SPLITS = 8  # its K splits (thread-block cluster size) at most: 1, 2, 4 or 8
+# Shapes whose streaming plan needs at most this many K splits (cluster size: 1, 2, 4, 8) run it,
+# the others the grouped kernel. 1: measured faster or equal only without K splits (H200,
+# docs/notes/moe.md "Dense linears at small M"); 8 serves every dense shape it fits.
+STREAM_MAX_SPLITS = 1
 
 
 def linear_gap(x_dtype: torch.dtype, K: int, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> Optional[str]:
