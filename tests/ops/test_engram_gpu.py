@@ -265,8 +265,13 @@ def test_prefetch_in_model_steps(placement):
     the prefetched rows, equal to the direct lookups; ids the prefetch did not start (e.g. cut
     by a replay) fall back to the lookup."""
     from deepfuse.models import tiny
+    from deepfuse.models.v41 import random_model
+    from deepfuse.models.v41_config import V41Config
 
-    model = tiny.load("v4.1")  # CPU; only the tables move (the hasher's constants follow the ids)
+    # built on the CPU (its token map needs no tokenizer); only the tables move (the hasher's
+    # constants follow the ids)
+    model = random_model(V41Config.from_dict(tiny.CONFIG_V41), device="cpu", dtype=torch.float32, quant=None,
+                         expert_quant=None)
     hasher = model.engram_hasher
     tables = model.engram_tables()
     for t in tables:
