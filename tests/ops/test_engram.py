@@ -244,3 +244,17 @@ def test_embed_validation_and_opcheck():
     torch.library.opcheck(torch.ops.deepfuse.engram_embed.default,
                           (ngram, mult[0], primes[0], offsets[0], table, scale, torch.bfloat16),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_prefetch_needs_a_gpu_model():
+    """attach_prefetch leaves a model without a GPU alone (None): its lookups run as before."""
+    from deepfuse.engine.engram_state import attach_prefetch
+    from deepfuse.models import tiny
+    from deepfuse.models.v41 import random_model
+    from deepfuse.models.v41_config import V41Config
+
+    model = random_model(V41Config.from_dict(tiny.CONFIG_V41), device="cpu", dtype=torch.float32, quant=None,
+                         expert_quant=None)
+    if not torch.cuda.is_available():
+        assert attach_prefetch(model, max_tokens=8) is None
+        assert "step_hashes" not in vars(model.engram_hasher)
