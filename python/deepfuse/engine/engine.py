@@ -534,9 +534,9 @@ class Engine:
                 if not ok:
                     self._rollback([c.req for c in g.res.batch.chunks if c.req.finish_reason is None])
                     return outs
-                self._bind_early(g)
-                self._inflight = g
-                return outs
+                if self._bind_early(g):
+                    self._inflight = g
+                return outs  # (else every request of g ended with f: g's rows are dropped unread)
         if f is not None:
             self._inflight = None
             outs += self._settle_safe(f)[0]
@@ -607,11 +607,11 @@ class Engine:
             np.array([min(q.params.max_tokens, big) for q in reqs], np.int64), self.max_model_len)
         return _Inflight(self.num_steps, self.runner.run(batch), None)
 
-    def _bind_early(self, g: _Inflight) -> None:
+    def _bind_early(self, g: _Inflight) -> bool:
         """After the step before g is committed: g's chunks get their host starts, counts
         and verified drafts (the drafts _hand_drafts just handed out, which g verifies
-        already; the device computed the same counts)."""
-        b = g.res.batch
+        already; the device computed the same counts) -> whether a request of g goes on."""
+        b, live = g.res.batch, False
         for i, c in enumerate(b.chunks):
             req = c.req
             if req.finish_reason is not None or req.cache is None:
@@ -620,6 +620,8 @@ class Engine:
             c.start, c.count = req.num_tokens - 1, 1 + kr
             b.starts[i], b.counts[i], b.verified[i] = c.start, c.count, kr
             req.drafts, req.draft_logq, req.draft_src = [], None, None
+            live = True
+        return live
 
     def _settle_safe(self, f: _Inflight) -> tuple[list[RequestOutput], bool]:
         """_settle(f) -> (outputs, True); if reading f back fails, the requests with sampled
