@@ -124,7 +124,7 @@ class EarlyStep:
     draft counts are device tensors (ModelRunner.early_batch). The host arrays of its
     StepBatch (starts, counts, verified) are bound once prev is committed (Engine)."""
 
-    prev: "StepResult"
+    prev: Optional["StepResult"]  # (dropped once the step is launched)
     starts: torch.Tensor          # [B] first position of each chunk
     verified: torch.Tensor        # [B] drafts each chunk verifies (<= k: max_tokens, max_model_len)
     ids: torch.Tensor             # [B * T] the step's input ids
@@ -299,7 +299,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def run(self, batch: StepBatch, prev: Optional[StepResult] = None) -> StepResult:
         """The whole step -> its StepResult (device tensors, copies to the host under way)."""
-        return self.finish(self.launch(batch, prev))
+        res = self.finish(self.launch(batch, prev))
+        if batch.early is not None:
+            batch.early.prev = None  # read: keeping it would chain every early step to the one before
+        return res
 
     @torch.no_grad()
     def launch(self, batch: StepBatch, prev: Optional[StepResult] = None) -> _Launched:
