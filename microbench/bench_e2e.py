@@ -778,7 +778,7 @@ def main_v41(a) -> int:
     import dataclasses
     import traceback
 
-    from deepfuse.models import v41
+    from deepfuse.models import v41, v41_random
 
     t_start = time.perf_counter()
     dev = torch.device(a.device)
@@ -786,7 +786,7 @@ def main_v41(a) -> int:
                            **(SMALL_V41 if a.small else {}))
     cfg = dataclasses.replace(cfg, engram_placement=a.engram_placement).validate()
     t0 = time.perf_counter()
-    model = v41.random_model(cfg, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+    model = v41_random.random_model(cfg, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
                              quant="fp8", expert_quant=a.experts)
     tables = model.engram_tables()
     cut = v41.replay_first_layer(cfg)

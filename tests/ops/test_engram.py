@@ -250,7 +250,7 @@ def test_prefetch_needs_a_gpu_model():
     """attach_prefetch leaves a model without a GPU alone (None): its lookups run as before."""
     from deepfuse.engine.engram_state import attach_prefetch
     from deepfuse.models import tiny
-    from deepfuse.models.v41 import random_model
+    from deepfuse.models.v41_random import random_model
     from deepfuse.models.v41_config import V41Config
 
     model = random_model(V41Config.from_dict(tiny.CONFIG_V41), device="cpu", dtype=torch.float32, quant=None,

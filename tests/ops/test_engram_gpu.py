@@ -265,7 +265,7 @@ def test_prefetch_in_model_steps(placement):
     the prefetched rows, equal to the direct lookups; ids the prefetch did not start (e.g. cut
     by a replay) fall back to the lookup."""
     from deepfuse.models import tiny
-    from deepfuse.models.v41 import random_model
+    from deepfuse.models.v41_random import random_model
     from deepfuse.models.v41_config import V41Config
 
     # built on the CPU (its token map needs no tokenizer); only the tables move (the hasher's
