@@ -63,6 +63,17 @@ def build(cfg: V4Config, *, device="cuda", dtype=torch.bfloat16, quant: Optional
     model = V4Model(cfg)
     model.dtype = dtype
     g = torch.Generator(device=device).manual_seed(seed)
+    fill(model, cfg, g, device=device, dtype=dtype, quant=quant, expert_quant=expert_quant, dense_only=_DENSE_ONLY)
+    check_filled(model, "random.build")
+    return model.eval()
+
+
+def fill(model, cfg, g: torch.Generator, *, device, dtype, quant: Optional[str], expert_quant: Optional[str],
+         dense_only, visit=None) -> None:
+    """Random values for every slot, Linear and Experts bank of `model` (models.tiny's init):
+    linears FP8 block-scaled (quant "fp8") except those ending in `dense_only`, or dense;
+    experts `expert_quant` ("fp8" / "mxfp4" / None: dense). `visit(prefix, module)` gets every
+    other module (a model's own kinds of weights)."""
     for prefix, mod in model.named_modules():
         dot = prefix + "." if prefix else ""
         for name, kind in slots(mod).items():
@@ -70,7 +81,7 @@ def build(cfg: V4Config, *, device="cuda", dtype=torch.bfloat16, quant: Optional
             setattr(mod, name, t.to(dtype) if kind == "act" else t)
         if isinstance(mod, Linear):
             w = _init(prefix + ".weight", (mod.out_features, mod.in_features), "act", g, cfg)
-            if quant is None or any(prefix.endswith(s) for s in _DENSE_ONLY):
+            if quant is None or any(prefix.endswith(s) for s in dense_only):
                 mod.set_weight(w.to(dtype))
             else:
                 mod.set_weight(*_quantise(w, "fp8"), "fp8")
@@ -91,7 +102,11 @@ def build(cfg: V4Config, *, device="cuda", dtype=torch.bfloat16, quant: Optional
                 if scales:
                     ss[pname] = torch.stack(scales)
             mod.set_weights(ws, ss, expert_quant or "dense")
+        elif visit is not None:
+            visit(prefix, mod)
+
+
+def check_filled(model, who: str) -> None:
     for name, t in model.named_buffers():
         if t.is_meta:
-            raise RuntimeError(f"deepfuse: random.build left {name} unset")
-    return model.eval()
+            raise RuntimeError(f"deepfuse: {who} left {name} unset")

@@ -9,10 +9,8 @@ import torch
 
 from deepfuse.ops import engram as E
 
-from .linear import Linear, slots
-from .moe import Experts
-from .random import _quantise
-from .tiny import _DENSE_ONLY_V41, _init
+from .random import check_filled, fill
+from .tiny import _DENSE_ONLY_V41
 from .v41 import EngramTable, V41Model
 from .v41_config import V41Config
 
@@ -33,48 +31,23 @@ def random_model(cfg: V41Config, *, device="cuda", dtype=torch.bfloat16, quant: 
     model = V41Model(cfg)
     model.dtype = dtype
     g = torch.Generator(device=device).manual_seed(seed)
-    for prefix, mod in model.named_modules():
-        dot = prefix + "." if prefix else ""
-        for name, kind in slots(mod).items():
-            t = _init(dot + name, tuple(getattr(mod, name).shape), kind, g, cfg)
-            setattr(mod, name, t.to(dtype) if kind == "act" else t)
-        if isinstance(mod, Linear):
-            w = _init(prefix + ".weight", (mod.out_features, mod.in_features), "act", g, cfg)
-            if quant is None or any(prefix.endswith(s) for s in _DENSE_ONLY_V41):
-                mod.set_weight(w.to(dtype))
-            else:
-                mod.set_weight(*_quantise(w, "fp8"), "fp8")
-        elif isinstance(mod, Experts):
-            ws, ss = {}, {}
-            for pname in ("w1", "w3", "w2"):
-                N, K = mod.proj_shape(pname)
-                parts, scales = [], []
-                for _ in range(mod.num_experts):
-                    w = torch.randn(N, K, generator=g, device=device) * K ** -0.5
-                    if expert_quant is None:
-                        parts.append(w.to(dtype))
-                    else:
-                        q, s = _quantise(w, expert_quant)
-                        parts.append(q)
-                        scales.append(s)
-                ws[pname] = torch.stack(parts)
-                if scales:
-                    ss[pname] = torch.stack(scales)
-            mod.set_weights(ws, ss, expert_quant or "dense")
-        elif isinstance(mod, EngramTable):
-            w = torch.empty(mod.rows, mod.dim, dtype=torch.float8_e4m3fn, device=device)
-            s = torch.empty(mod.rows, mod.dim // E.SCALE_BLOCK, dtype=torch.uint8, device=device)
-            for r0 in range(0, mod.rows, 1 << 20):  # bounded temporaries at large row counts
-                r1 = min(mod.rows, r0 + (1 << 20))
-                w[r0:r1] = (torch.randn(r1 - r0, mod.dim, generator=g, device=device) * 4).clamp(-448, 448).to(
-                    torch.float8_e4m3fn)
-                s[r0:r1] = torch.randint(121, 126, (r1 - r0, mod.dim // E.SCALE_BLOCK), generator=g, device=device,
-                                         dtype=torch.uint8)
-            mod.place(w, s, device, cfg.engram_placement)
-            del w, s
+
+    def engram(prefix, mod):
+        if not isinstance(mod, EngramTable):
+            return
+        w = torch.empty(mod.rows, mod.dim, dtype=torch.float8_e4m3fn, device=device)
+        s = torch.empty(mod.rows, mod.dim // E.SCALE_BLOCK, dtype=torch.uint8, device=device)
+        for r0 in range(0, mod.rows, 1 << 20):  # bounded temporaries at large row counts
+            r1 = min(mod.rows, r0 + (1 << 20))
+            w[r0:r1] = (torch.randn(r1 - r0, mod.dim, generator=g, device=device) * 4).clamp(-448, 448).to(
+                torch.float8_e4m3fn)
+            s[r0:r1] = torch.randint(121, 126, (r1 - r0, mod.dim // E.SCALE_BLOCK), generator=g, device=device,
+                                     dtype=torch.uint8)
+        mod.place(w, s, device, cfg.engram_placement)
+
+    fill(model, cfg, g, device=device, dtype=dtype, quant=quant, expert_quant=expert_quant,
+         dense_only=_DENSE_ONLY_V41, visit=engram)
     C = cfg.engram_compressed_vocab_size
     model.set_token_map(np.arange(cfg.vocab_size, dtype=np.int64) % C, C)
-    for name, t in model.named_buffers():
-        if t.is_meta:
-            raise RuntimeError(f"deepfuse: v41_random.random_model left {name} unset")
+    check_filled(model, "v41_random.random_model")
     return model.eval()
