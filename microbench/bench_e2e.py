@@ -407,6 +407,14 @@ def run_prefill(eng, prefix: list[int], a, ceil: dict, gc_) -> list[dict]:
     return rows
 
 
+def tokens_per_step(before: dict, after: dict) -> float:
+    """Mean tokens emitted per verify step between two `Engine.stats()["spec"]` readings."""
+    n = after["verify_steps"] - before["verify_steps"]
+    emitted = ((after["mean_accepted_length"] or 0) * after["verify_steps"]
+               - (before["mean_accepted_length"] or 0) * before["verify_steps"])
+    return emitted / max(n, 1)
+
+
 def run_decode(eng, prefix: list[int], a, ceil: dict, mode: str, gc_) -> list[dict]:
     from deepfuse.engine import SamplingParams
 
@@ -431,13 +439,7 @@ def run_decode(eng, prefix: list[int], a, ceil: dict, mode: str, gc_) -> list[di
         eng.step()  # warm-up
         spec0 = eng.stats()["spec"] if k else None
         step = statistics.median(timed_step(eng, dev) for _ in range(a.steps))
-        tps = 1.0
-        if k:
-            st = eng.stats()["spec"]
-            n = st["verify_steps"] - spec0["verify_steps"]
-            emitted = ((st["mean_accepted_length"] or 0) * st["verify_steps"]
-                       - (spec0["mean_accepted_length"] or 0) * spec0["verify_steps"])
-            tps = emitted / max(n, 1)
+        tps = tokens_per_step(spec0, eng.stats()["spec"]) if k else 1.0
         prof = profiled_step(eng)
         for rid in ids:
             eng.abort(rid)
@@ -745,13 +747,7 @@ def run_decode_v41(model, a, mode: str) -> list[dict]:
         step = statistics.median(timed_step(eng, dev) for _ in range(a.steps))
         if len(sch.running) != B:  # a failing step ends its requests (Engine._isolate logs why)
             raise RuntimeError(f"{B - len(sch.running)} of {B} decode requests ended early (failed; see the log)")
-        tps = 1.0
-        if k:
-            st = eng.stats()["spec"]
-            n = st["verify_steps"] - spec0["verify_steps"]
-            emitted = ((st["mean_accepted_length"] or 0) * st["verify_steps"]
-                       - (spec0["mean_accepted_length"] or 0) * spec0["verify_steps"])
-            tps = emitted / max(n, 1)
+        tps = tokens_per_step(spec0, eng.stats()["spec"]) if k else 1.0
         for rid in ids:
             eng.abort(rid)
         eng.step()

@@ -30,3 +30,13 @@ def run_chunks(model, x: torch.Tensor, cuts, kv_dtype: str = "auto", page_size: 
                             cache.host_block_tables)
         out.append(model.forward_step(ctx, cache).view(B, n, -1))
     return torch.cat(out, 1)
+
+def chi2_ok(counts: np.ndarray, probs: np.ndarray, n: int) -> bool:
+    """Pearson chi-square over the support of probs; scipy-free bound: the statistic must stay
+    under dof + 6 sqrt(2 dof) (about the 0.99999 quantile for these dof)."""
+    m = probs > 0
+    assert counts[~m].sum() == 0, "a token outside the target's support was emitted"
+    exp = probs[m] * n
+    stat = ((counts[m] - exp) ** 2 / exp).sum()
+    dof = m.sum() - 1
+    return stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)

@@ -12,7 +12,7 @@ from deepfuse.engine import LLM, SamplingParams
 from deepfuse.engine.context import Padding, host_context, verify_arrays
 
 from test_engine import assert_cache_empty, prompts_for
-from test_speculative import live_state
+from test_speculative import assert_live_state_is_plain, live_state
 
 
 _REFS: dict = {}
@@ -132,15 +132,7 @@ def test_early_rejected_drafts_leave_no_trace(tiny, graphs):
     acc = spec.stats()["spec"]["acceptance_per_position"]
     assert any(a is not None and a < 1 for a in acc), acc
     got, n = live_state(spec, "x")
-    plain = LLM(tiny, max_total_tokens=2000).engine
-    plain.add_request("x", p, SamplingParams(max_tokens=40, ignore_eos=True))
-    plain.step()
-    while plain.scheduler.running[0].num_computed < n:
-        plain.step()
-    want, n2 = live_state(plain, "x")
-    assert n2 == n and got.keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert_live_state_is_plain(tiny, got, n, p)
 
 
 @pytest.mark.parametrize("T", [2, 4, 5])

@@ -8,7 +8,7 @@ from deepfuse.engine import LLM, SamplingParams
 from deepfuse.engine.sampler import Sampler, SamplingBatch, derive_seed
 from deepfuse.engine.speculative import DRAFT, accept_drafts
 
-from engine_util import run_chunks
+from engine_util import chi2_ok, run_chunks
 from test_engine import assert_cache_empty, full_greedy_agrees, prompts_for
 
 LENS = [1, 5, 17, 40, 130, 260, 3, 99]
@@ -86,6 +86,21 @@ def test_forced_drafts_every_accept_length(tiny, reference, k, wrong):
         assert st["mean_accepted_length"] > 1.5
 
 
+def assert_live_state_is_plain(model, got: dict, n: int, prompt, max_tokens: int = 40) -> None:
+    """`got` (live_state after n positions) equals the same rows of a plain greedy run of
+    `prompt` on `model` stopped at n (fp32 batching noise ~3e-6)."""
+    plain = LLM(model, max_total_tokens=2000).engine
+    plain.add_request("x", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    plain.step()
+    while plain.scheduler.running[0].num_computed < n:
+        plain.step()
+    want, n2 = live_state(plain, "x")
+    assert n2 == n and got.keys() == want.keys()
+    for key in want:
+        assert got[key].shape == want[key].shape, key
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
 def live_state(eng, rid: str) -> dict:
     """The rows of a request's cache that later steps can read, by position / entry."""
     req = next(r for r in eng.scheduler.running if r.request_id == rid)
@@ -136,16 +151,7 @@ def test_rejected_drafts_leave_no_trace(tiny, graphs, overlap):
         assert any(T == 5 for _, T in spec.runner.graphs.graphs) and spec.runner.graphs.chains
     got, n = live_state(spec, "x")
     assert n > len(p) + 10 and spec.stats()["spec"]["acceptance_per_position"][2] == 0.0
-    plain = LLM(tiny, max_total_tokens=2000).engine
-    plain.add_request("x", p, SamplingParams(max_tokens=40, ignore_eos=True))
-    plain.step()
-    while plain.scheduler.running[0].num_computed < n:
-        plain.step()
-    want, n2 = live_state(plain, "x")
-    assert n2 == n and got.keys() == want.keys()
-    for key in want:
-        assert got[key].shape == want[key].shape, key
-        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)  # fp32 batching noise ~3e-6
+    assert_live_state_is_plain(tiny, got, n, p)
 
 
 def test_mtp_flat_step_matches_full_mtp_forward(tiny):
@@ -182,16 +188,6 @@ def test_mtp_flat_step_matches_full_mtp_forward(tiny):
     # the main model through the same chunks still matches its full forward
     assert run_chunks(tiny, x[:, :T], [0, 40, 41, 100, T]).shape == (2, T, tiny.cfg.vocab_size)
 
-
-def chi2_ok(counts: np.ndarray, probs: np.ndarray, n: int) -> bool:
-    """Pearson chi-square over the support of probs; scipy-free bound: the statistic must stay
-    under dof + 6 sqrt(2 dof) (about the 0.99999 quantile for these dof)."""
-    m = probs > 0
-    assert counts[~m].sum() == 0, "a token outside the target's support was emitted"
-    exp = probs[m] * n
-    stat = ((counts[m] - exp) ** 2 / exp).sum()
-    dof = m.sum() - 1
-    return stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
 
 
 @pytest.mark.parametrize("case", ["plain", "topk", "topp", "close_q", "bad_q"])

@@ -24,6 +24,7 @@ import torch
 from deepfuse.engine import LLM, SamplingParams
 from deepfuse.models import tiny
 from deepfuse.models.dspark import DSparkDrafter, capture_target_inputs
+from engine_util import chi2_ok
 
 
 @pytest.fixture(scope="module")
@@ -237,15 +238,6 @@ def test_rejected_drafts_leave_no_live_rows(model):
         torch.testing.assert_close(got[key], exp[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def _chi2_ok(counts, probs, n):
-    m = probs > 0
-    assert counts[~m].sum() == 0, "a token outside the target's support was emitted"
-    exp = probs[m] * n
-    stat = ((counts[m] - exp) ** 2 / exp).sum()
-    dof = m.sum() - 1
-    return stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
-
-
 def _target_probs(model, seq, top_k, temp):
     with torch.no_grad():
         z = model(torch.tensor([seq]))[0, -1].double() / temp
@@ -277,11 +269,11 @@ def test_seeded_sampling_follows_the_target(model):
     st = llm.engine.stats()["spec"]
     assert 0.0 < st["acceptance_per_position"][0] < 1.0, st
     V = model.cfg.vocab_size
-    ok, info = _chi2_ok(np.bincount([o[0] for o in outs], minlength=V), p0.numpy(), N)
+    ok, info = chi2_ok(np.bincount([o[0] for o in outs], minlength=V), p0.numpy(), N)
     assert ok, info
     # second token: pooled over the first, expected sum_t p0(t) p1(. | t)
     p_second = sum(p0[t] * p1[t] for t in firsts).numpy()
-    ok, info = _chi2_ok(np.bincount([o[1] for o in outs], minlength=V), p_second, N)
+    ok, info = chi2_ok(np.bincount([o[1] for o in outs], minlength=V), p_second, N)
     assert ok, info
 
 
