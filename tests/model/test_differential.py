@@ -20,9 +20,21 @@ prompts on window / ratio / page boundaries, requests arriving mid-run). fp32, "
   DeepseekV4ForCausalLM's logits (v4_oracle.canonical_ties: the oracle's indexer breaks
   equal scores by the lower index, as deepfuse.ops.topk does).
 
+V4.1 (models/v41.py) the same way: random V4.1 configurations (ratio-1 / ratio-2 kv sources
+shared by later layers, index sources, an optional candidate source, 0-2 Engram layers with
+1-3 heads and n-grams up to 4 over a smaller compressed vocabulary, hc_mult 1 / 2 / 4, with or
+without DSpark draft stages), engine settings as above (DSpark speculation k 0-3 with
+confidence thresholds 0 / 0.5 / 1 instead of the MTP layer; bounded replay off: the engine
+must be exact), checked against V41Model.forward token for token and row for row; each first
+DSpark draft against the drafter run on the full forward's target features; per
+configuration the full forward against the float64 transcription of the release
+(tests/model/test_v41.py: oracle_logits).
+
 Size: DEEPFUSE_DIFF_PAIRS (default 200) pairs, PER_CONFIG settings per configuration,
-drawn from DEEPFUSE_DIFF_SEED (default 0). A failing pair prints its configuration, its
-settings and a one-line repro: DEEPFUSE_DIFF_ONLY=<config>:<setting> selects one pair.
+drawn from DEEPFUSE_DIFF_SEED (default 0); V4.1: DEEPFUSE_DIFF_V41_PAIRS (default 36),
+PER_CONFIG_V41 per configuration. A failing pair prints its configuration, its settings and
+a one-line repro: DEEPFUSE_DIFF_ONLY=<config>:<setting> (V4.1: v41:<config>:<setting>)
+selects one pair.
 """
 from __future__ import annotations
 
@@ -37,13 +49,19 @@ import torch
 from deepfuse import models
 from deepfuse.engine import LLM, SamplingParams
 from deepfuse.models import tiny
+from deepfuse.models.dspark import DSparkDrafter, capture_target_inputs
+from deepfuse.models.v41_config import V41Config
+from deepfuse.models.v41_random import random_model
+from deepfuse.ops import engram as E
 from v4_oracle import one_thread  # noqa: F401
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 SEED = int(os.environ.get("DEEPFUSE_DIFF_SEED", "0"))
 PAIRS = int(os.environ.get("DEEPFUSE_DIFF_PAIRS", "200"))
 PER_CONFIG = 5
-ONLY = os.environ.get("DEEPFUSE_DIFF_ONLY")  # "c" or "c:s"
+V41_PAIRS = int(os.environ.get("DEEPFUSE_DIFF_V41_PAIRS", "36"))
+PER_CONFIG_V41 = 3
+ONLY = os.environ.get("DEEPFUSE_DIFF_ONLY")  # "c" or "c:s"; V4.1: "v41:c" or "v41:c:s"
 NEAR_TIE = 1e-4          # top-2 logits within 1e-4 * max(1, |top1|): either token is greedy
 MAX_NEAR_TIES = 0.01     # ... but at most this fraction of all checked tokens
 LOGITS_TOL = 1e-4        # relative (row norm) error of an engine logits row
@@ -53,6 +71,7 @@ MAX_LEN = 512
 
 STATS = {"pairs": 0, "tokens": 0, "near_ties": 0, "rows": 0, "drafts": 0, "max_logits_err": 0.0, "preemptions": 0,
          "prefix_hits": 0, "verify_rows": 0, "accepted_drafts": 0}
+STATS_V41 = dict(STATS)
 COUNTED = ("tokens", "near_ties", "rows", "drafts", "preemptions", "prefix_hits", "verify_rows", "accepted_drafts")
 
 
@@ -94,9 +113,15 @@ def draw_config(rng: random.Random) -> dict:
 
 
 def _length(rng: random.Random, cfg: dict, page: int, hi: int) -> int:
-    """A prompt length, mostly next to a window / compression / page boundary."""
-    W, hca = cfg["sliding_window"], cfg["compress_rates"][HCA]
-    marks = [W, 2 * W, 4, 8, hca, 2 * hca, page, 2 * page, 128, 256]
+    """A prompt length, mostly next to a window / compression / page boundary (V4.1: the
+    ratio-2 groups, the candidate blocks' span)."""
+    W = cfg["sliding_window"]
+    if "kv_source_layer_ids" in cfg:
+        span = cfg.get("candidate_topk_blocks", 0) * cfg.get("candidate_block_size", 0) or 6
+        marks = [W, 2 * W, 2, 4, span, 2 * span, page, 2 * page, 128, 256]
+    else:
+        hca = cfg["compress_rates"][HCA]
+        marks = [W, 2 * W, 4, 8, hca, 2 * hca, page, 2 * page, 128, 256]
     marks = [m for m in marks if 2 <= m <= hi - 1]
     if marks and rng.random() < 0.75:
         return max(1, min(hi, rng.choice(marks) + rng.choice([-1, 0, 1, 2])))
@@ -142,6 +167,11 @@ def draw_settings(rng: random.Random, cfg: dict) -> dict:
         st["max_total_tokens"] = max(longest + k + 1, int(total * rng.uniform(0.3, 0.8)))
     if k:  # the random MTP layer's drafts are almost never accepted: verify the right ones too
         st["good_drafts"] = rng.random() < 0.6
+    if "kv_source_layer_ids" in cfg:  # V4.1: DSpark drafts (k <= its block), eager steps
+        st["cuda_graphs"] = False
+        if k:
+            st["num_speculative_tokens"] = min(k, cfg["dspark_block_size"])
+            st["dspark_threshold"] = rng.choice([0.0, 0.0, 0.5, 1.0])
     return st
 
 
@@ -149,17 +179,20 @@ def _rng(*key) -> random.Random:
     return random.Random(":".join(str(k) for k in (SEED,) + key))
 
 
-def pairs() -> list[tuple[int, list[int]]]:
-    n_cfg = -(-PAIRS // PER_CONFIG)
-    out = [(c, list(range(min(PER_CONFIG, PAIRS - c * PER_CONFIG)))) for c in range(n_cfg)]
+def pairs(n: int = PAIRS, per: int = PER_CONFIG, v41: bool = False) -> list[tuple[int, list[int]]]:
+    n_cfg = -(-n // per)
+    out = [(c, list(range(min(per, n - c * per)))) for c in range(n_cfg)]
     if ONLY:
-        c, _, s = ONLY.partition(":")
-        out = [(int(c), [int(s)] if s else list(range(PER_CONFIG)))]
+        only = ONLY[4:] if ONLY.startswith("v41:") else ONLY
+        if ONLY.startswith("v41:") != v41:
+            return []
+        c, _, s = only.partition(":")
+        out = [(int(c), [int(s)] if s else list(range(per)))]
     return out
 
 
-def repro(c: int, s: int) -> str:
-    return (f"DEEPFUSE_DIFF_SEED={SEED} DEEPFUSE_DIFF_ONLY={c}:{s} "
+def repro(c: int, s: int, v41: bool = False) -> str:
+    return (f"DEEPFUSE_DIFF_SEED={SEED} DEEPFUSE_DIFF_ONLY={'v41:' if v41 else ''}{c}:{s} "
             f"pytest tests/model/test_differential.py")
 
 
@@ -199,8 +232,24 @@ def _capture(engine, rows: list) -> None:
     runner.forward = forward
 
 
+def _dspark_first_draft_logits(model, seq: list[int], cap: dict, at: list[int]) -> torch.Tensor:
+    """The DSpark drafter's logits of the first draft at each position n of `at` (anchor
+    seq[n - 1] at n - 1, context rows of the full forward's target features at [n - 1 - W,
+    n - 1)) -> [len(at), vocab]."""
+    dr = DSparkDrafter(model)
+    T = len(seq)
+    pos = torch.arange(T)[None]
+    rows = dr.context_rows(dr.main_hidden(cap), pos)
+    B = len(at)
+    a = torch.tensor(at) - 1
+    out = dr.propose(torch.tensor(seq)[a], a, [r.expand(B, -1, -1) for r in rows], pos.expand(B, -1), k=1)
+    return out.logits[:, 0]
+
+
 def run_pair(model, cfg: dict, st: dict, seed: int) -> tuple[list[str], dict]:
-    """Run one settings draw on the model -> (failure messages, counts)."""
+    """Run one settings draw on the model -> (failure messages, counts). cfg: the config.json
+    dict (V4.1: its text_config)."""
+    v41 = "kv_source_layer_ids" in cfg
     rng = random.Random(seed)
     prompts = _prompts(st, cfg["vocab_size"], rng)
     kw = {k: v for k, v in st.items() if k not in ("requests", "good_drafts")}
@@ -269,20 +318,26 @@ def run_pair(model, cfg: dict, st: dict, seed: int) -> tuple[list[str], dict]:
             continue
         seq = p + out
         P = len(p)
+        mine = [(n, d) for rid, n, d in drafts if rid == f"r{i}"]
         with torch.no_grad():
-            full, streams = model(torch.tensor([seq]), return_streams=True)
-            full = full[0]
-            mine = [(n, d) for rid, n, d in drafts if rid == f"r{i}"]
-            if mine:  # MTP logits at t (token t + 2) from the main streams at t and token t + 1
-                mtp = model.mtp_forward(streams[:, :-1], torch.tensor([seq[1:]]))[0][0]
-        for n, d in mine:  # the first draft is the MTP layer's own full-forward argmax
-            row = mtp[n - 2]
+            if v41:  # DSpark: the first draft of each anchor from the full forward's target features
+                with capture_target_inputs(model) as cap:
+                    full = model(torch.tensor([seq]))[0]
+                mtp = _dspark_first_draft_logits(model, seq, cap, [n for n, _ in mine]) if mine else None
+            else:
+                full, streams = model(torch.tensor([seq]), return_streams=True)
+                full = full[0]
+                if mine:  # MTP logits at t (token t + 2) from the main streams at t and token t + 1
+                    mtp = model.mtp_forward(streams[:, :-1], torch.tensor([seq[1:]]))[0][0]
+        for j, (n, d) in enumerate(mine):  # the first draft is the drafter's own full-forward argmax
+            row = mtp[j] if v41 else mtp[n - 2]
             top = int(row.argmax())
             counts["drafts"] += 1
             m = float(row[top])
             if d != top and float(row[d]) < m - NEAR_TIE * max(1.0, abs(m)):
-                fails.append(f"r{i} (prompt {P} tokens): first draft for position {n} is {d}, the MTP layer's full "
-                             f"forward argmax is {top} ({float(row[d]):.6f} vs {m:.6f})")
+                fails.append(f"r{i} (prompt {P} tokens): first draft for position {n} is {d}, the "
+                             f"{'DSpark drafter' if v41 else 'MTP layer'}'s full forward argmax is {top} "
+                             f"({float(row[d]):.6f} vs {m:.6f})")
                 break
         for j, tok in enumerate(out):
             row = full[P - 1 + j]
@@ -401,6 +456,134 @@ def test_near_ties_are_rare():
     if STATS["pairs"] >= 200:  # the sample really exercises preemption, prefix hits and speculation
         for k in ("preemptions", "prefix_hits", "verify_rows", "accepted_drafts"):
             assert STATS[k] > 0, f"no {k} in {STATS['pairs']} pairs: the draws lost coverage"
+
+
+# ----------------------------------------------------------------------------- V4.1
+def draw_config_v41(rng: random.Random) -> dict:
+    """A tiny V4.1 config.json (the release's layout: the text model under text_config).
+    Ratios per layer 0 / 1 / 2; a compressed layer starts a new kv source (p = 0.3) or reads
+    the newest one (same ratio: the config's rule); index sources: every kv source plus other
+    compressed layers (p = 0.4); a candidate source (p = 0.5) among the index sources reading
+    the last kv source (the release's layout: the candidate masks of later index sources
+    must cover the same rows); Engram at 0-2 layers; DSpark stages (p = 2/3) with 1-3 target
+    layers."""
+    L = rng.choice([2, 3, 3, 4, 4, 5, 6])
+    ratios, kv = [], []
+    for i in range(L):
+        if (i == 0 and rng.random() < 0.5) or rng.random() < 0.3:
+            ratios.append(0)
+            continue
+        if not kv or rng.random() < 0.3:
+            kv.append(i)
+            ratios.append(rng.choice([1, 2, 2]))
+        else:
+            ratios.append(ratios[kv[-1]])
+    if not kv:  # one compressed layer at least
+        ratios[-1] = rng.choice([1, 2])
+        kv = [L - 1]
+    index = sorted(set(kv) | {i for i, r in enumerate(ratios) if r and rng.random() < 0.4})
+    M, H, evocab = rng.choice([2, 3, 4]), rng.choice([1, 2, 3]), rng.choice([7, 13, 31, 61])
+    engram = sorted(rng.sample(range(L), rng.choice([0, 1, 1, 2])))
+    vocab = rng.choice([64, 128, 256])
+    heads = rng.choice([1, 2, 4])
+    drafts = rng.choice([0, 1, 2])
+    text = dict(
+        model_type="deepseek_v41_text", vocab_size=vocab, hidden_size=rng.choice([32, 48, 64]), num_hidden_layers=L,
+        num_attention_heads=heads, o_groups=rng.choice([g for g in (1, 2, 4) if heads % g == 0]),
+        head_dim=rng.choice([16, 32]), qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=8,
+        sliding_window=rng.choice([4, 5, 7, 8, 12, 16, 32]), n_routed_experts=rng.choice([4, 8]),
+        num_experts_per_tok=rng.choice([1, 2, 3]), moe_intermediate_size=16, n_shared_experts=1,
+        scoring_func=rng.choice(["sqrtsoftplus", "sqrtsoftplus", "sigmoid"]), routed_scaling_factor=1.5,
+        swiglu_limit=10.0, norm_topk_prob=True, rms_norm_eps=rng.choice([1e-6, 1e-20]), max_position_embeddings=4096,
+        rope_theta=10000, compress_rope_theta=160000, compress_ratios=ratios + [0] * drafts,
+        kv_source_layer_ids=kv, index_source_layer_ids=index, index_n_heads=rng.choice([1, 2, 4, 8]),
+        index_head_dim=rng.choice([8, 16]), index_topk=rng.choice([1, 2, 3, 4, 7, 16, 1000]),
+        hc_mult=rng.choice([1, 2, 4]), hc_sinkhorn_iters=rng.choice([3, 20]), hc_eps=1e-6,
+        engram_layer_ids=engram,
+        engram_num_embeddings=[int(r) for r in E.hash_primes(len(engram), M, H, evocab).sum(1)] if engram else [],
+        engram_max_ngram_size=M, engram_vocab_size=evocab, engram_n_heads=H, engram_head_dim=32,
+        engram_pad_token_id=2, engram_compressed_vocab_size=rng.randint(vocab // 2, vocab),
+        num_nextn_predict_layers=drafts)
+    if rng.random() < 0.5:
+        text.update(candidate_source_layer_id=rng.choice([i for i in index if i >= kv[-1]]),
+                    candidate_topk_blocks=rng.choice([1, 2, 3, 4]), candidate_block_size=rng.choice([1, 2, 3, 4]))
+    if drafts:
+        text.update(dspark_block_size=rng.choice([2, 3, 5]), dspark_noise_token_id=vocab - 1,
+                    dspark_target_layer_ids=sorted(rng.sample(range(L), min(L, rng.choice([1, 2, 3])))),
+                    dspark_markov_rank=rng.choice([4, 8]), dspark_n_routed_experts=rng.choice([2, 4]),
+                    dspark_num_experts_per_tok=rng.choice([1, 2]))
+    if rng.random() < 0.7:
+        text["rope_scaling"] = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                                "original_max_position_embeddings": 65536}
+    return {"model_type": "deepseek_v41", "bos_token_id": None, "eos_token_id": None, "text_config": text}
+
+
+def build_v41(cfg: dict, seed: int):
+    """The random fp32 V4.1 model of a drawn config (models.v41_random; Engram token map id % C)."""
+    return random_model(V41Config.from_dict(cfg), device="cpu", dtype=torch.float32, quant=None, expert_quant=None,
+                        seed=seed)
+
+
+def describe_v41(cfg: dict) -> str:
+    t = cfg["text_config"]
+    keys = ("vocab_size", "hidden_size", "compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
+            "candidate_source_layer_id", "candidate_topk_blocks", "candidate_block_size", "num_attention_heads",
+            "head_dim", "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "hc_mult",
+            "engram_layer_ids", "engram_max_ngram_size", "engram_n_heads", "engram_compressed_vocab_size",
+            "num_nextn_predict_layers", "dspark_block_size", "dspark_target_layer_ids", "n_routed_experts",
+            "num_experts_per_tok", "scoring_func", "rms_norm_eps")
+    return json.dumps({k: t[k] for k in keys if k in t})
+
+
+def oracle_error_v41(model, rng: random.Random) -> float:
+    """Relative error of the full forward against the float64 transcription of the release
+    (tests/model/test_v41.py: per-query loops) on one sequence of 12-24 tokens."""
+    from test_v41 import oracle_logits
+
+    T = rng.randint(12, 24)
+    ids = torch.randint(0, model.cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    with torch.no_grad():
+        want = oracle_logits(model, ids)
+        got = model(ids[None])[0].double()
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("c,settings", pairs(V41_PAIRS, PER_CONFIG_V41, v41=True),
+                         ids=lambda v: f"v41cfg{v}" if isinstance(v, int) else f"{len(v)}st")
+def test_v41_engine_equals_full_forward(c, settings):
+    rng = _rng("v41config", c)
+    cfg = draw_config_v41(rng)
+    model = build_v41(cfg, seed=rng.randrange(1 << 30))
+    fails = []
+    err = oracle_error_v41(model, _rng("v41oracle", c))
+    if not err <= ORACLE_TOL:
+        fails.append(f"config v41:{c}: full forward vs the float64 release transcription: rel err {err:.2e} > "
+                     f"{ORACLE_TOL:g}\n  config {describe_v41(cfg)}\n  repro: {repro(c, 0, True)}")
+    for s in settings:
+        srng = _rng("v41settings", c, s)
+        st = draw_settings(srng, cfg["text_config"])
+        try:
+            f, counts = run_pair(model, cfg["text_config"], st, srng.randrange(1 << 30))
+        except Exception as e:  # noqa: BLE001 - reported with the pair's repro line
+            f, counts = [f"raised {type(e).__name__}: {e}"], {}
+        STATS_V41["pairs"] += 1
+        for k in COUNTED:
+            STATS_V41[k] += counts.get(k, 0)
+        STATS_V41["max_logits_err"] = max(STATS_V41["max_logits_err"], counts.get("max_logits_err", 0.0))
+        if f:
+            fails.append(f"pair v41:{c}:{s}: " + "; ".join(f[:3]) + f"\n  config {describe_v41(cfg)}\n  settings "
+                         f"{json.dumps(st)}\n  repro: {repro(c, s, True)}")
+    assert not fails, "\n".join(fails)
+
+
+def test_v41_near_ties_are_rare():
+    print(f"differential V4.1: {STATS_V41}")
+    if STATS_V41["tokens"] == 0:
+        pytest.skip("no V4.1 pair ran")
+    assert STATS_V41["near_ties"] <= MAX_NEAR_TIES * STATS_V41["tokens"], STATS_V41
+    if STATS_V41["pairs"] >= 36:  # the sample exercises preemption, prefix hits and accepted DSpark drafts
+        for k in ("preemptions", "prefix_hits", "verify_rows", "accepted_drafts"):
+            assert STATS_V41[k] > 0, f"no {k} in {STATS_V41['pairs']} V4.1 pairs: the draws lost coverage"
 
 
 # ----------------------------------------------------------------------------- regressions

@@ -182,7 +182,8 @@ def _mixes(X, fn, scale, base, cfg):
 
 def _moe(ffn, x, cfg):
     logits = ffn.gate.weight.double() @ x
-    scores = torch.sqrt(torch.nn.functional.softplus(logits))
+    scores = (torch.sigmoid(logits) if cfg.scoring_func == "sigmoid"
+              else torch.sqrt(torch.nn.functional.softplus(logits)))
     idx = (scores + ffn.gate.bias.double()).topk(cfg.num_experts_per_tok).indices
     w = scores[idx]
     w = w / (w.sum() + 1e-20) * cfg.routed_scaling_factor
@@ -208,7 +209,7 @@ def _hash_rows(model, ids):
     M, H = cfg.engram_max_ngram_size, cfg.engram_n_heads
     mult = E.hash_multipliers(cfg.engram_layer_ids, M, cfg.engram_compressed_vocab_size)
     primes = E.hash_primes(len(cfg.engram_layer_ids), M, H, cfg.engram_vocab_size)
-    offs = np.concatenate([[0], np.cumsum(primes[0])[:-1]]), np.concatenate([[0], np.cumsum(primes[1])[:-1]])
+    offs = [np.concatenate([[0], np.cumsum(p)[:-1]]) for p in primes]  # per Engram layer
     out = []
     for p in range(len(cid)):
         per_layer = []
@@ -314,7 +315,7 @@ def oracle_logits(model, ids):
     X = emb[:, None, :].repeat(1, n, 1)
     pre = torch.zeros(T, n, dtype=torch.float64)
     pre[:, 0] = 1
-    rows = _hash_rows(model, ids)
+    rows = _hash_rows(model, ids) if model.engram_hasher is not None else None
     shared = {}
     for i, blk in enumerate(model.layers):
         if blk.engram is not None:
