@@ -29,7 +29,7 @@ void norm_rope(const TensorArg& x, const TensorArg& y, bool norm, const TensorAr
   cx.dtype(DType::kBF16).inner_contiguous().aligned(16);
   if (x.ndim < 1) cx.fail("must have at least one dim");
   const int64_t D = x.size(-1);
-  if (!norm_rope_fits(static_cast<int>(D))) cx.fail("must have rows of D values, D % 8 == 0 and 0 < D <= 4096");
+  if (!norm_rope_fits(static_cast<int>(D))) cx.fail("must have rows of D values, D % 8 == 0 and 0 < D <= 16384");
   int64_t x_ld = D;
   if (x.ndim == 2) {
     cx.stride_aligned(0, 16);

@@ -32,7 +32,8 @@ struct RowStoreArgs {
 // [tokens, half], contiguous; null: no RoPE). norm: y = rms_norm(x, weight) first (weight
 // fp32 [D] or null), rounded to bf16; then the RoPE on the last 2 * half dims, rounded to
 // bf16. y [rows, D] bf16 (contiguous) or null; store: rows need H == 1 (slot per token).
-// D % 8 == 0, D <= 4096, half * 2 <= D, (D - 2 * half) even.
+// D % 8 == 0, D <= 16384 (D > 4096: one block per row, no store), half * 2 <= D,
+// (D - 2 * half) even.
 bool norm_rope_fits(int D);
 void norm_rope(const void* x, int64_t x_ld, int64_t rows, int H, int D, void* y, bool norm, const float* weight,
                float eps, const float* cos, const float* sin, int half, bool inverse, const RowStoreArgs& store,

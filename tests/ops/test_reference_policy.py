@@ -141,11 +141,11 @@ def _fp8_weight(N, K, device):
 
 # (op, raw schema args on a device, what the error names): each outside its CUDA kernel
 CASES = {
-    "rms_norm": (lambda d: (_bf(2, 8192, device=d), None, 1e-6), "x rows are 8192 wide"),
+    "rms_norm": (lambda d: (_bf(2, 16392, device=d), None, 1e-6), "x rows are 16392 wide"),
     "rope": (lambda d: (_f(3, 2, 64, device=d), _f(3, 16, device=d), _f(3, 16, device=d), False),
              "x has dtype float32"),
-    "norm_rope": (lambda d: (_bf(3, 2, 4104, device=d), None, 1e-6, _f(3, 16, device=d), _f(3, 16, device=d)),
-                  "x rows are 4104 wide"),
+    "norm_rope": (lambda d: (_bf(3, 2, 4100, device=d), None, 1e-6, _f(3, 16, device=d), _f(3, 16, device=d)),
+                  "x rows are 4100 wide"),
     "norm_rope_store": (lambda d: (_bf(3, 64, device=d), None, 1e-6, _f(3, 16, device=d), _f(3, 16, device=d),
                                    torch.zeros(3, 16, 64, device=d), "dense", 16, _i64([0, 5, -1], d)),
                         "target pages have dtype float32"),
@@ -280,7 +280,7 @@ def test_v4_flash_and_pro_choose_no_reference_on_fp8_caches():
     assert R.kernel_gaps(flash, _Cache(False)) == ("indexer_logits_paged",)  # "auto" / "bf16": the user's choice
     assert R.reference_ops(flash, None, full=True) == tuple(sorted(R.FULL_FORWARD_OPS))
     pro = meta_model(rnd.flash_config(pro=True))
-    assert R.kernel_gaps(pro, _Cache(True)) == ("rms_norm",)  # 7168-wide rows: the row kernel takes <= 4096
+    assert R.kernel_gaps(pro, _Cache(True)) == ()  # 7168-wide rows: the row kernel takes <= 16384
     dense = meta_model(rnd.flash_config(), experts="dense")
     assert R.kernel_gaps(dense, _Cache(True)) == ("moe_experts",)
     flash.dtype = torch.float32
@@ -340,8 +340,8 @@ def test_gpu_op_raises_naming_the_argument_and_runs_when_allowed(name):
 
 @pytest.mark.gpu
 def test_gpu_public_ops_raise_and_kernels_off_run_silently():
-    x = _bf(4, 8192, device="cuda")
-    with pytest.raises(ops.NoKernelError, match="rms_norm: x rows are 8192 wide"):
+    x = _bf(4, 16392, device="cuda")
+    with pytest.raises(ops.NoKernelError, match="rms_norm: x rows are 16392 wide"):
         ops.rms_norm(x)
     prev = _ext.set_kernels_enabled(False)
     try:

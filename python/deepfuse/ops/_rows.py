@@ -9,7 +9,7 @@ from deepfuse import _ext
 from deepfuse.ops._fallback import kernels_off_reason
 from deepfuse.ops.kvcache import RowTarget
 
-ROW_MAX = 4096
+ROW_MAX = 16384  # D > 4096: one block per row (csrc/norm/norm_rope.cu), no cache store
 
 
 def rows_gap(D: int, dtype: torch.dtype) -> Optional[str]:

@@ -9,9 +9,10 @@ Semantics (the references define them):
   layer's cache pages (ops.kvcache.RowTarget: the KV row or indexer key formats, or dense
   rows), as the cache's store op would store them; returns the rows. V4's kv path.
 
-CUDA (csrc/norm): bf16 x, D % 8 == 0, D <= 4096, fp32 weight / cos / sin: one warp per row,
-the row in registers; the standalone ops and the fusions run the same device code, so a
-fused store writes exactly what rms_norm + rope + kv_store write. Other inputs on CUDA run
+CUDA (csrc/norm): bf16 x, D % 8 == 0, D <= 16384, fp32 weight / cos / sin: one warp per row
+up to D 4096, one block of 4 warps per row above (V4.1's 5120, V4-Pro's 7168; no cache store
+there), the row in registers; the standalone ops and the fusions run the same device code, so
+a fused store writes exactly what rms_norm + rope + kv_store write. Other inputs on CUDA run
 the references only where allowed (ops._fallback), else raise.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ form pairs (x[2i], x[2i+1]) rotated by angle a_i: (x0 c - x1 s, x1 c + x0 s), c 
 s = sin a_i, in fp32, cast back to x.dtype. inverse=True rotates by -a_i (V4 applies it to
 the attention output). The leading D - R values pass through unchanged.
 x: [*L, D] or [*L, H, D]; cos, sin: [*L, R/2] (fp32, per token).
-CUDA: the row kernel of csrc/norm (bf16 x, D % 8 == 0, D <= 4096); other inputs run the
+CUDA: the row kernel of csrc/norm (bf16 x, D % 8 == 0, D <= 16384); other inputs run the
 reference only where allowed (ops._fallback), else raise.
 """
 from __future__ import annotations
