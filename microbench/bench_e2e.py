@@ -787,7 +787,9 @@ def main_v41(a) -> int:
     tables = model.engram_tables()
     cut = v41.replay_first_layer(cfg)
     prefetch = None
-    if a.engram_placement == "host" and not a.no_engram_prefetch:  # None off the GPU
+    if a.no_engram_prefetch:  # the engines attach none either (engram_state.engine_prefetch)
+        model.engram_prefetch = False
+    elif a.engram_placement == "host":  # None off the GPU; the engines reuse it
         from deepfuse.engine.engram_state import attach_prefetch
 
         prefetch = attach_prefetch(model, max([*a.budgets, a.decode_prompt * max(a.batches)]))

@@ -55,3 +55,39 @@ def test_memory_profiling_step_runs():
     c = V41CacheManager(m.cfg, model_dtype=m.dtype, device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
                         max_total_tokens=1024, max_model_len=256, page_size=16)
     assert largest_step(m, c, max_num_batched_tokens=64, max_num_seqs=4, max_len=256).shape == (4,)
+
+
+def test_default_total_tokens_count_v41_cache_bytes(monkeypatch):
+    """The memory plan's default path (no measurement: tensor parallel ranks; CUDA with
+    measure=False) sizes a V4.1 cache with V41CacheManager.bytes_per_token (kv sources only),
+    not with V4's layer-type count."""
+    from types import SimpleNamespace
+
+    from deepfuse.engine.cache import CacheManager
+    from deepfuse.engine.memory import cache_class, plan_memory
+    from deepfuse.models import tiny
+    from deepfuse.models.v41_config import V41Config
+
+    cfg = V41Config.from_dict(tiny.CONFIG_V41)
+    assert cache_class(cfg) is V41CacheManager and cache_class(tiny.load().cfg) is CacheManager
+    v41 = V41CacheManager.bytes_per_token(cfg, "fp8", torch.bfloat16)
+    v4 = CacheManager.bytes_per_token(cfg, "fp8", torch.bfloat16)
+    assert v41 == pytest.approx(2 * 716 / 2 + 716) and v4 != v41  # sources 2 (ratio 2), 4 (2), 5 (1)
+    free = 10 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, 2 * free))
+    model = SimpleNamespace(cfg=cfg, dtype=torch.bfloat16, device=torch.device("cuda"))
+    conf = SimpleNamespace(max_total_tokens=None, max_num_seqs=1 << 20)
+    plan = plan_memory(model, conf, "fp8", 1 << 20, None, None, measure=False)
+    assert plan.source == "default" and plan.max_total_tokens == int(0.5 * free / v41)
+
+
+def test_engram_prefetch_only_for_host_tables_on_cuda():
+    """engine_prefetch (called by Engine.__init__) attaches nothing on the CPU, for HBM tables
+    or V4 models; the GPU side: tests/ops/test_engram_gpu.py test_engine_prefetch_*."""
+    from deepfuse.engine.engram_state import engine_prefetch
+    from deepfuse.models import tiny
+
+    m = tiny.load("v4.1")
+    assert engine_prefetch(m, 64) is None and engine_prefetch(tiny.load(), 64) is None
+    llm = LLM(m, max_model_len=64)
+    assert getattr(llm.engine, "engram_prefetch", None) is None and getattr(m, "_engram_prefetch", None) is None

@@ -296,6 +296,49 @@ def test_prefetch_in_model_steps(placement):
         _same(other, want[l])
 
 
+def _engine_tokens(model, prompts, **kw):
+    from deepfuse.engine import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=64, max_num_batched_tokens=32, **kw)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1))
+    return llm.engine, [(o.token_ids, o.logprobs) for o in outs]
+
+
+def test_engine_prefetch_host_tables():
+    """The engine attaches the prefetch (engram_state.engine_prefetch, before the memory plan)
+    when the tiny V4.1 model's tables sit in pinned host memory on CUDA: its steps' Engram rows
+    come from the prefetch buffers, and tokens and logprobs equal the same engine without the
+    prefetch (the switch model.engram_prefetch = False) bit for bit. A second engine on the
+    model reuses the prefetch; HBM tables get none."""
+    import dataclasses
+
+    from deepfuse.engine.engram_state import detach_prefetch
+    from deepfuse.models import tiny
+    from deepfuse.models.v41_config import V41Config
+    from deepfuse.models.v41_random import random_model
+
+    cfg = dataclasses.replace(V41Config.from_dict(tiny.CONFIG_V41), engram_placement="host").validate()
+    model = random_model(cfg, device=DEV, dtype=torch.bfloat16, quant=None, expert_quant=None, seed=3)
+    assert all(t.weight.device.type == "cpu" and t.weight.is_pinned() for t in model.engram_tables())
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=_g(n)).tolist() for n in (5, 17, 30)]
+    eng, got = _engine_tokens(model, prompts)
+    pf = eng.engram_prefetch
+    assert pf is not None and pf is model._engram_prefetch and pf.max_tokens == 32
+    served = []
+    rows = pf.rows
+    pf.rows = lambda l: served.append(l) or rows(l)
+    eng2, again = _engine_tokens(model, prompts)
+    assert eng2.engram_prefetch is pf and again == got and len(served) >= 2 * len(model.engram_tables())
+    detach_prefetch(model)
+    model.engram_prefetch = False
+    eng3, plain = _engine_tokens(model, prompts)
+    assert eng3.engram_prefetch is None and plain == got
+    hbm = random_model(dataclasses.replace(cfg, engram_placement="device"), device=DEV, dtype=torch.bfloat16,
+                       quant=None, expert_quant=None, seed=3)
+    eng4, dev_out = _engine_tokens(hbm, prompts)
+    assert eng4.engram_prefetch is None and [t for t, _ in dev_out] == [t for t, _ in got]
+
+
 # ----------------------------------------------------------------------------- sanitizer
 @pytest.mark.sanitize
 def test_engram_sanitize_small():

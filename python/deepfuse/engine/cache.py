@@ -403,16 +403,18 @@ def resolve_kv_dtype(kv_dtype: Optional[str], cfg, device, model_dtype: torch.dt
 
 
 def default_total_tokens(cfg, kv_dtype: Optional[str], model_dtype, device, max_num_seqs: int,
-                         max_model_len: int) -> int:
+                         max_model_len: int, manager=None) -> int:
     """max_total_tokens when not given and not planned (engine/memory.py plans it on CUDA):
     128K tokens on the CPU; half the free device memory on CUDA (tensor parallel ranks),
-    never more than max_num_seqs full-length requests. kv_dtype None: resolve_kv_dtype."""
+    never more than max_num_seqs full-length requests. kv_dtype None: resolve_kv_dtype.
+    manager: the cache manager class whose bytes_per_token counts (default CacheManager;
+    V4.1: V41CacheManager, engine/memory.py)."""
     kv_dtype = resolve_kv_dtype(kv_dtype, cfg, device, model_dtype)
     cap = max_num_seqs * max_model_len
     dev = torch.device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        n = int(0.5 * free / CacheManager.bytes_per_token(cfg, kv_dtype, model_dtype))
+        n = int(0.5 * free / (manager or CacheManager).bytes_per_token(cfg, kv_dtype, model_dtype))
     else:
         n = CPU_TOTAL_TOKENS
     return max(1, min(cap, n, 1 << 31))

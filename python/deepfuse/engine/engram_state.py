@@ -105,7 +105,9 @@ def attach_prefetch(model, max_tokens: int, dtype: Optional[torch.dtype] = None,
     those ids returns the prefetched rows (other ids, e.g. cut by a replay, gather as before).
     Instance attributes only (model code unchanged); returns the EngramPrefetch, None for a
     model without Engram or off the GPU. device: the GPU of the steps (default: the tables'
-    if they are on one, else the model's first CUDA parameter's)."""
+    if they are on one, else the model's first CUDA parameter's). Once per model: a prefetch
+    already attached for at least max_tokens rows of the same dtype and device is returned as
+    it is, another one is detached first (engines built again on the same model)."""
     hasher = getattr(model, "engram_hasher", None)
     tables = model.engram_tables() if hasher is not None else []
     if not tables or tables[0].weight.device.type == "meta":
@@ -115,8 +117,16 @@ def attach_prefetch(model, max_tokens: int, dtype: Optional[torch.dtype] = None,
         dev = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
     if dev is None:
         return None
-    pf = EngramPrefetch([(t.weight, t.scale) for t in tables], max_tokens, model.cfg.engram_cols,
-                        dtype or getattr(model, "dtype", torch.float32), dev)
+    dtype = dtype or getattr(model, "dtype", torch.float32)
+    old = getattr(model, "_engram_prefetch", None)
+    if old is not None:
+        want = torch.device(dev)
+        if want.index is None:
+            want = torch.device(want.type, torch.cuda.current_device())
+        if old.max_tokens >= max_tokens and old.bufs[0].dtype == dtype and old.device == want:
+            return old
+        detach_prefetch(model)
+    pf = EngramPrefetch([(t.weight, t.scale) for t in tables], max_tokens, model.cfg.engram_cols, dtype, dev)
     step_hashes = type(hasher).step_hashes
 
     def hashes_and_start(*args, **kwargs):
@@ -135,4 +145,31 @@ def attach_prefetch(model, max_tokens: int, dtype: Optional[torch.dtype] = None,
             return _lookup(_t, ids, out_dtype)
 
         t.forward = fwd
+    model._engram_prefetch = pf
     return pf
+
+
+def detach_prefetch(model) -> None:
+    """Undo attach_prefetch (the hasher's and the tables' own methods again)."""
+    if getattr(model, "_engram_prefetch", None) is None:
+        return
+    model.engram_hasher.__dict__.pop("step_hashes", None)
+    for t in model.engram_tables():
+        t.__dict__.pop("forward", None)
+    model._engram_prefetch = None
+
+
+def engine_prefetch(model, max_tokens: int) -> Optional[EngramPrefetch]:
+    """The engine's Engram prefetch (Engine.__init__, before the memory plan so that its
+    buffers count as weights): attach_prefetch(model, max_tokens) for a V4.1 model on CUDA
+    whose Engram tables sit in host memory (engram_placement "host": every step's rows cross
+    PCIe; the side stream overlaps them with the layers before the first Engram layer);
+    None otherwise (tables in HBM, the CPU, no Engram) or when `model.engram_prefetch` is
+    False (the switch; bench_e2e's --no-engram-prefetch)."""
+    if getattr(model, "engram_prefetch", True) is False or getattr(model, "engram_hasher", None) is None:
+        return None
+    tables = model.engram_tables()
+    dev = getattr(model, "device", None)
+    if not tables or dev is None or torch.device(dev).type != "cuda" or tables[0].weight.device.type != "cpu":
+        return None
+    return attach_prefetch(model, max(1, int(max_tokens)), device=dev)

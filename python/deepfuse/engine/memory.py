@@ -233,6 +233,18 @@ def measure_graphs(graphs) -> int:
     return graphs.pool_bytes
 
 
+def cache_class(cfg):
+    """The cache manager of a model config: V41CacheManager for DeepSeek V4.1 (only the kv
+    source layers hold compressed rows and keys: its bytes_per_token), else CacheManager."""
+    if hasattr(cfg, "kv_source_layers"):
+        from .v41_cache import V41CacheManager
+
+        return V41CacheManager
+    from .cache import CacheManager
+
+    return CacheManager
+
+
 def plan_memory(model, config, kv_dtype: str, max_len: int, make_cache: Callable, make_graphs: Optional[Callable],
                 measure: bool) -> MemoryPlan:
     """The plan before the real caches exist (see the module docstring). make_cache(total,
@@ -240,7 +252,8 @@ def plan_memory(model, config, kv_dtype: str, max_len: int, make_cache: Callable
     dev = model.device
     explicit = config.max_total_tokens
     if dev.type != "cuda" or not measure:
-        total = explicit or default_total_tokens(model.cfg, kv_dtype, model.dtype, dev, config.max_num_seqs, max_len)
+        total = explicit or default_total_tokens(model.cfg, kv_dtype, model.dtype, dev, config.max_num_seqs, max_len,
+                                                 manager=cache_class(model.cfg))
         return MemoryPlan(str(dev), kv_dtype, total, min(max_len, total),
                           source="explicit" if explicit else "default")
     t0 = time.perf_counter()
@@ -286,4 +299,4 @@ def finish_plan(plan: MemoryPlan, cache, graphs, capture_s: float) -> MemoryPlan
 
 
 __all__ = ["MemoryPlan", "Measured", "resolve_kv_dtype", "cache_budget", "fit_tokens", "size_caches",
-           "plan_memory", "finish_plan", "largest_step", "profile_step"]
+           "cache_class", "plan_memory", "finish_plan", "largest_step", "profile_step"]
