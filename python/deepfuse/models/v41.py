@@ -24,12 +24,13 @@ of the release) and its public ports:
 
 Checkpoint names are the release's (models/v41_config.py, models/loader.py). The mHC
 coefficients of the shifted form run as torch code (ops.hc_pre returns the collapse with
-its own pre, which V4.1 does not use), and so does the step's gather of a completed block's
-source rows (V4's compress_store fuses it with the store, but V4.1 also needs the latent
-before RoPE for the indexer keys); the rest calls deepfuse ops.
+its own pre, which V4.1 does not use); the step pools a completed block's source rows with
+V4's compress_store kernel (no positional bias, an identity RoPE, no store: the latent before
+RoPE, which the indexer keys need), then RoPEs and stores it; the rest calls deepfuse ops.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -243,15 +244,24 @@ class V41Compressor(nn.Module):
         score = self.wgate(x) if self.wgate is not None else torch.zeros_like(kv)
         skv, ssc = cache.states["attn"]
         if plan.num_blocks:
-            fresh = plan.src_is_fresh.unsqueeze(-1)
-            kvs = torch.where(fresh, kv[plan.src_fresh], skv[plan.src_state].to(kv.dtype))
-            scs = torch.where(fresh, score[plan.src_fresh], ssc[plan.src_state].to(score.dtype))
-            scs = scs.masked_fill(~plan.src_valid.unsqueeze(-1), float("-inf"))
-            latent = self.norm(ops.compress_pool(kvs, scs))
+            # the pooled, normed latent of each completed block (before RoPE: the indexer keys
+            # need it) through compress_store's pooling kernel: no positional bias (ape 0), an
+            # identity RoPE (cos 1, sin 0 on the last two columns) and no store (slots -1)
+            nb, dev = plan.blk_slot.shape[0], kv.device
+            latent = ops.compress_store(
+                kv, score, skv, ssc, self._zero_ape(dev), dataclasses.replace(plan, blk_slot=plan.blk_slot.new_full(
+                    (nb,), -1)), self.norm.weight, self.norm.eps, torch.ones(nb, 1, device=dev),
+                torch.zeros(nb, 1, device=dev), cache.target("attn"))
             cos, sin = rope(plan.blk_pos)
             store_rows(cache.target("attn"), ops.rope(latent, cos, sin), plan.blk_slot)
             store_rows(cache.target("index"), indexer.keys(latent, cos, sin), plan.blk_slot)
         ops.state_store(kv, score, skv, ssc, plan.state_slots)
+
+    def _zero_ape(self, device) -> torch.Tensor:
+        z = getattr(self, "_ape0", None)
+        if z is None or z.device != device:
+            z = self._ape0 = torch.zeros(self.ratio, self.head_dim, device=device)
+        return z
 
 
 def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, blocks: int, block_size: int) -> torch.Tensor:
@@ -504,6 +514,19 @@ def _replay_step_cut(x, pre, hashes, shared: dict, rp):
     return (x[:, rows], pre[:, rows], hashes, rp.ctx)
 
 
+def chunk_starts(ctx) -> torch.Tensor:
+    """[N] the first position of each token's chunk, on the device from the step's device
+    tensors (the chunks are contiguous runs of consecutive positions in request order): the
+    token's position less its offset from its request's first flat row. No host arrays, so a
+    captured graph computes it for each replay's tokens."""
+    pos, req = ctx.positions, ctx.token_req
+    N = pos.shape[0]
+    row = torch.arange(N, device=pos.device)
+    first = torch.full((ctx.req_slots.shape[0],), N, dtype=torch.int64, device=pos.device)
+    first = first.scatter_reduce(0, req, row, reduce="amin")
+    return pos - (row - first[req])
+
+
 class V41Model(ModelBase):
     """Official names: embed, layers.<i>, norm, head, mtp.<i> (DSpark stages)."""
 
@@ -534,6 +557,16 @@ class V41Model(ModelBase):
 
     def engram_tables(self) -> list[EngramTable]:
         return [l.engram.embed for l in self.layers if l.engram is not None]
+
+    def step_buffers(self, reqs: int, device) -> dict:
+        """Static per-step inputs a captured step graph of `reqs` requests reads besides its
+        index buffer (engine/graph_runner.py sets them on its contexts; the engine fills them
+        before each replay): the Engram n-gram history [reqs, M - 1] (engine/engram_state.py),
+        -1 (no token) for pad requests."""
+        if self.engram_hasher is None:
+            return {}
+        return {"engram_history": torch.full((reqs, self.engram_hasher.max_ngram - 1), E.DEAD, dtype=torch.int64,
+                                             device=device)}
 
     @scoped(full=True)
     def forward(self, input_ids: torch.Tensor, *, return_streams: bool = False, replay_window: Optional[int] = None,
@@ -594,14 +627,13 @@ class V41Model(ModelBase):
         hashes = None
         if self.engram_hasher is not None:
             M = cfg.engram_max_ngram_size
-            starts = torch.from_numpy(np.repeat(np.asarray(ctx.starts, np.int64), ctx.counts)).to(ids.device)
             hist = getattr(ctx, "engram_history", None)
             if hist is None:
                 if (np.asarray(ctx.starts) > 0).any():
                     raise ValueError("deepfuse: V4.1 step: chunks after position 0 need ctx.engram_history (the "
                                      "Engram n-gram history, engine/engram_state.py)")
                 hist = torch.full((ctx.num_reqs, M - 1), E.DEAD, dtype=torch.int64, device=ids.device)
-            hashes = self.engram_hasher.step_hashes(ids, ctx.positions, starts,
+            hashes = self.engram_hasher.step_hashes(ids, ctx.positions, chunk_starts(ctx),
                                                     torch.as_tensor(hist, device=ids.device)[ctx.token_req])
         x = mhc.expand(self.embed(ids).to(self.dtype), cfg)[None]
         pre = first_pre(x)
