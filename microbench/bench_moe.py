@@ -1,13 +1,15 @@
 """Fused MoE (ops.moe_experts, ops.moe_route) at V4-Flash and V4-Pro shapes on the GPU.
 
 python -m microbench.bench_moe --out DIR [--quick] [--profile] [--models flash pro] [--T 1 8 ..]
-                                [--fmts fp8 mxfp4] [--no-baselines]
+                                [--fmts fp8 mxfp4] [--no-baselines] [--graph] [--stream-max-t N]
 
 Per (model, weight format, T tokens): time of route + experts (`us`, the router's fp32 logits
 GEMM included), the touched expert weights (routed experts the routing hits + the shared
 expert) read per second and as a fraction of the copy ceiling measured in this run
 (`frac_copy`; `floor_us` = touched bytes / ceiling), TFLOP/s (6 I d per token-expert pair) and
-the fraction of the FP8 dense peak measured in this run (torch._scaled_mm 8192^3), and the
+the fraction of the FP8 dense peak measured in this run (torch._scaled_mm 8192^3), at T <=
+ops.moe.STREAM_MAX_T the grouped kernels on the same inputs (`grouped_us`, `x_grouped` > 1: the
+streaming decode path faster), with --graph the step replayed in a CUDA graph, and the
 speedups over the pipelines a user would write: torch._grouped_mm in bf16 and
 torch._scaled_grouped_mm in fp8 (rowwise scales), each with argsort dispatch, clamped SwiGLU,
 index_add combine and the shared expert (V4-Flash only: bf16 Pro weights are 50 GB).
@@ -115,7 +117,7 @@ class Baseline:
         return out.to(x.dtype)
 
 
-def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True):
+def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True, graph=False):
     p = MODELS[name]
     E, d, I, k = p["E"], p["d"], p["I"], p["k"]
     gate = torch.randn(E, d, device="cuda", generator=g) * d ** -0.5
@@ -143,6 +145,13 @@ def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True):
 
             reps = 30 if T <= 512 else 10
             t = H.time_fn(step, reps=reps)
+            t_grouped = None
+            if M.STREAM_MIN_T.get(fmt, 1) <= T <= M.STREAM_MAX_T:  # decode path vs grouped kernels, same inputs
+                keep, M.STREAM_MAX_T = M.STREAM_MAX_T, 0
+                try:
+                    t_grouped = H.time_fn(step, reps=reps)
+                finally:
+                    M.STREAM_MAX_T = keep
             wts, ids = ops.moe_route(F.linear(x.float(), gate), k, bias=bias, route_scale=1.5)
             hit = int(torch.unique(ids).numel())
             touched = hit * expert_bytes(I, d, fmt) + expert_bytes(I, d, "fp8") + E * d * 4
@@ -151,29 +160,44 @@ def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True):
                      TBps=touched / t.s / 1e12, frac_copy=touched / t.s / 1e12 / ctx.copy_tbps,
                      floor_us=touched / (ctx.copy_tbps * 1e12) * 1e6, TFLOPs=flops / t.s / 1e12,
                      frac_fp8_peak=flops / t.s / 1e12 / peak)
+            if t_grouped is not None:
+                r["grouped_us"] = t_grouped.median_us
+                r["x_grouped"] = t_grouped.median_us / t.median_us
+            if graph and T <= 128:  # replayed in a CUDA graph: launch gaps and host work amortised, L2 warm
+                r["graph_us"] = H.time_graph(step, calls=10, reps=10).median_us
             for bn, b in base.items():
                 tb = H.time_fn(lambda: b(x, ids, wts), reps=reps)
                 r[f"{bn}_us"] = tb.median_us
                 r[f"x_{bn}"] = tb.median_us / t.median_us
             rows.append(r)
             H.print_table([r], COLS)
-            if profile and T in (1, 4096):
+            if profile and T in (1, 64, 4096):
                 from torch.profiler import ProfilerActivity, profile as prof
 
-                for _ in range(3):
-                    step()
-                torch.cuda.synchronize()
-                with prof(activities=[ProfilerActivity.CUDA]) as pr:
-                    step()
-                    torch.cuda.synchronize()
-                print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+                for smt in ((M.STREAM_MAX_T, 0) if M.STREAM_MIN_T.get(fmt, 1) <= T <= M.STREAM_MAX_T
+                            else (M.STREAM_MAX_T,)):
+                    keep, M.STREAM_MAX_T = M.STREAM_MAX_T, smt
+                    try:
+                        for _ in range(3):
+                            step()
+                        torch.cuda.synchronize()
+                        with prof(activities=[ProfilerActivity.CUDA]) as pr:
+                            for _ in range(5):
+                                H.flush_l2()
+                                step()
+                            torch.cuda.synchronize()
+                    finally:
+                        M.STREAM_MAX_T = keep
+                    print(f"## {name} {fmt} T={T} stream_max_t={smt}: per-kernel CUDA time over 5 calls (L2 flushed)")
+                    print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=14))
         del ex
         torch.cuda.empty_cache()
 
 
 COLS = [("model", "{}"), ("fmt", "{}"), ("T", "{}"), ("us", "{:.1f}"), ("floor_us", "{:.1f}"),
         ("touched_MB", "{:.0f}"), ("TBps", "{:.2f}"), ("frac_copy", "{:.2f}"), ("TFLOPs", "{:.0f}"),
-        ("frac_fp8_peak", "{:.2f}"), ("bf16_us", "{:.1f}"), ("x_bf16", "{:.1f}"), ("fp8_us", "{:.1f}"),
+        ("frac_fp8_peak", "{:.2f}"), ("grouped_us", "{:.1f}"), ("x_grouped", "{:.2f}"), ("graph_us", "{:.1f}"),
+        ("bf16_us", "{:.1f}"), ("x_bf16", "{:.1f}"), ("fp8_us", "{:.1f}"),
         ("x_fp8", "{:.1f}")]
 
 
@@ -184,8 +208,14 @@ def main(argv=None):
         ap.add_argument("--T", nargs="*", type=int, default=None, help="token counts (default: the grid)")
         ap.add_argument("--fmts", nargs="*", default=["fp8", "mxfp4"], choices=["fp8", "mxfp4"])
         ap.add_argument("--no-baselines", action="store_true", help="skip the torch pipelines")
+        ap.add_argument("--graph", action="store_true", help="also time T <= 128 replayed in a CUDA graph")
+        ap.add_argument("--stream-max-t", type=int, default=None,
+                        help="ops.moe.STREAM_MAX_T for the run (the decode path's range; 0: grouped kernels)")
 
     args, ctx = H.start(argv, extra=extra)
+    if args.stream_max_t is not None:
+        M.STREAM_MAX_T = args.stream_max_t
+    ctx.extra["stream_max_t"] = M.STREAM_MAX_T
     peak = fp8_peak_tflops()
     ctx.extra["fp8_peak_tflops"] = peak
     print(f"# FP8 dense peak (torch._scaled_mm 8192^3): {peak:.0f} TFLOP/s")
@@ -194,7 +224,8 @@ def main(argv=None):
     grid = {"flash": [1, 8, 64, 4096] if args.quick else [1, 8, 32, 64, 128, 512, 4096, 16384],
             "pro": [1, 64, 4096] if args.quick else [1, 8, 64, 128, 4096, 16384]}
     for name in args.models:
-        run_model(name, args.fmts, args.T or grid[name], ctx, peak, g, rows, args.profile, not args.no_baselines)
+        run_model(name, args.fmts, args.T or grid[name], ctx, peak, g, rows, args.profile, not args.no_baselines,
+                  args.graph)
         torch.cuda.empty_cache()
     print()
     H.print_table(rows, COLS)

@@ -28,6 +28,7 @@
 #include "common/fp8_utils.cuh"
 #include "gemm/fp8_linear.h"
 #include "gemm/grouped_gemm_sm90.cuh"
+#include "gemm/tma_sm90.cuh"
 
 namespace deepfuse {
 namespace {
@@ -82,27 +83,11 @@ __host__ __device__ inline SLayout stream_layout(bool mx, int BT, int cps, int T
 }
 
 // ---------------------------------------------------------------------------- device helpers
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nLAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
+using tma::mbar_expect_tx;
+using tma::mbar_init;
+using tma::mbar_wait;
+using tma::tma_load_2d;
+
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ float ld_peer(const float* p, uint32_t rank) {
@@ -419,20 +404,6 @@ bool stream_plan(const LinearProblem& p, int max_m, StreamPlan& pl) {
   return false;
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
 template <int BT, bool MX>
 void launch_stream(const StreamArgs& a, const CUtensorMap& map, const StreamPlan& pl, cudaStream_t stream) {
   auto kern = stream_linear_kernel<BT, MX>;
@@ -469,7 +440,7 @@ bool stream_linear(const LinearProblem& p, int max_m, const void* x, bool x_bf16
                    cudaStream_t stream) {
   StreamPlan pl;
   if (!stream_plan(p, max_m, pl)) return false;
-  const auto encode = encode_tiled();
+  const auto encode = tma::encode_tiled();
   if (encode == nullptr) return false;
   CUtensorMap map;
   const cuuint64_t kbytes = p.mxfp4 ? p.K / 2 : p.K;

@@ -32,6 +32,7 @@ struct MoeProblem {
   bool has_shared = false;  // a shared expert, fp8 [inter, d] / [d, inter] block-scaled, weight 1
   ExpertWeight sw1, sw3, sw2;
   float limit = 0.0f;       // SwiGLU clamp (<= 0: none)
+  int stream_max_t = 0;     // T up to this (<= 256): the streaming decode kernels (moe_stream.cu)
 };
 
 // Workspace (bytes) for a problem; the launcher carves it. P = T * (k + has_shared) pairs.

@@ -1,5 +1,6 @@
 // moe_experts host launch: routing plan -> activation cast -> GEMM1 (w1 | w3, SwiGLU) ->
-// cast of h -> GEMM2 (w2, routing weight) -> combine in slot order (deterministic).
+// cast of h -> GEMM2 (w2, routing weight) -> combine in slot order (deterministic). At decode
+// (T <= stream_max_t) the streaming kernels of moe_stream.cu run both GEMMs with the casts fused.
 //
 // Plan: pairs q = t * ktot + j (ktot = k + shared) are counted per expert, experts laid out
 // by an exclusive scan, cut into tasks of at most BM rows, and placed (atomics: the row
@@ -15,6 +16,7 @@
 #include "cast/cast.h"
 #include "common/cuda_utils.h"
 #include "moe/moe.h"
+#include "moe/moe_stream.h"
 #include "gemm/grouped_gemm_sm90.cuh"
 
 namespace deepfuse {
@@ -296,12 +298,16 @@ void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* id
     plan_place_kernel<<<blocks, 256, 0, stream>>>(pa);
     check_launch("plan_place_kernel");
   }
-  fp8_group_cast(x, x_bf16, w.xq, w.xs, ScaleKind::kFp32, p.T, p.d, p.d, 128, 0, stream);
-
-  if (BM == kDecodeBT)
+  const MoeStreamIO io{x, x_bf16, w.rows, w.tasks, w.ntasks, U, w.h, w.Y, w.wrow};
+  if (BM == kDecodeBT && p.T <= p.stream_max_t && moe_stream_gemms(p, io, stream)) {
+    // the decode path: both casts fused into the streaming GEMMs
+  } else if (BM == kDecodeBT) {
+    fp8_group_cast(x, x_bf16, w.xq, w.xs, ScaleKind::kFp32, p.T, p.d, p.d, 128, 0, stream);
     run_gemms<DecodeCfg>(p, w, U, P, stream);
-  else
+  } else {
+    fp8_group_cast(x, x_bf16, w.xq, w.xs, ScaleKind::kFp32, p.T, p.d, p.d, 128, 0, stream);
     run_gemms<PrefillCfg>(p, w, U, P, stream);
+  }
 
   const dim3 cgrid(static_cast<unsigned>(p.T), ceil_div(p.d, 1024));
   if (x_bf16)

@@ -101,6 +101,15 @@ def routing(T, E, k, kind, g):
     return ids, torch.rand(T, k, device=DEV, generator=g) + 0.1
 
 
+@pytest.fixture(params=["stream", "grouped"])
+def path(request, monkeypatch):
+    """moe_experts' decode path (T <= 256): the streaming kernels (moe_stream.cu) or the grouped
+    kernels; larger T runs the grouped kernels either way."""
+    monkeypatch.setattr(M, "STREAM_MAX_T", 256 if request.param == "stream" else 0)
+    monkeypatch.setattr(M, "STREAM_MIN_T", {})
+    return request.param
+
+
 def check(out, emu, ref):
     assert torch.isfinite(out).all()
     o = out.float()
@@ -126,7 +135,7 @@ CASES = [  # T, d, I, E, k, kind, shared
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("T,d,I,E,k,kind,shared", CASES)
-def test_moe_experts_matches_reference(fmt, T, d, I, E, k, kind, shared):
+def test_moe_experts_matches_reference(fmt, T, d, I, E, k, kind, shared, path):
     g = torch.Generator(device=DEV).manual_seed(T * 7 + E)
     ex, sh = make_experts(E, I, d, fmt, seed=T, shared=shared)
     x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
@@ -139,7 +148,7 @@ def test_moe_experts_matches_reference(fmt, T, d, I, E, k, kind, shared):
 
 @pytest.mark.parametrize("spread", [11, 40])
 @pytest.mark.parametrize("T,kind", [(1, "random"), (8, "one"), (300, "random")])
-def test_moe_experts_mxfp4_spread_group_scales(spread, T, kind):
+def test_moe_experts_mxfp4_spread_group_scales(spread, T, kind, path):
     g = torch.Generator(device=DEV).manual_seed(T + spread)
     ex, sh = make_experts(8, 256, 256, "mxfp4", seed=T, shared=T == 8, spread=spread)
     x = torch.randn(T, 256, device=DEV, generator=g).to(torch.bfloat16)
@@ -169,8 +178,8 @@ def test_moe_experts_more_tokens_than_a_grid_y_extent(fmt):
     assert tail <= 2 * head + 1e-3, (head, tail)
 
 
-@pytest.mark.parametrize("T,d,I", [(5, 96, 32), (70, 160, 96), (300, 64, 32)])
-def test_moe_experts_fp8_tails_and_fp32_x(T, d, I):
+@pytest.mark.parametrize("T,d,I", [(5, 96, 32), (70, 160, 96), (300, 64, 32), (9, 160, 160), (40, 288, 416)])
+def test_moe_experts_fp8_tails_and_fp32_x(T, d, I, path):
     """K not a multiple of 128 (zero-filled chunk), N tails, fp32 activations and scales."""
     g = torch.Generator(device=DEV).manual_seed(d)
     ex, _ = make_experts(4, I, d, "fp8", seed=d)
@@ -185,7 +194,9 @@ def test_moe_experts_fp8_tails_and_fp32_x(T, d, I):
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 64, 16384])
-def test_moe_experts_v4_flash_shape(fmt, T):
+def test_moe_experts_v4_flash_shape(fmt, T, path):
+    if T > 256 and path == "grouped":
+        pytest.skip("T > 256 runs the grouped kernels on both settings")
     E, d, I, k = 256, 4096, 2048, 6
     g = torch.Generator(device=DEV).manual_seed(T)
     ex, sh = make_experts(E, I, d, fmt, seed=1, shared=True)
@@ -201,7 +212,7 @@ def test_moe_experts_v4_flash_shape(fmt, T):
     print(f"V4-Flash {fmt} T={T}: relative error vs exact reference {rel:.4f}")
 
 
-def test_moe_experts_deterministic_and_graph_capturable():
+def test_moe_experts_deterministic_and_graph_capturable(path):
     T, d, I, E, k = 48, 512, 256, 32, 6
     g = torch.Generator(device=DEV).manual_seed(3)
     ex, sh = make_experts(E, I, d, "fp8", seed=3, shared=True)
@@ -225,17 +236,38 @@ def test_moe_experts_deterministic_and_graph_capturable():
     torch.testing.assert_close(y, run_kernel(x2, ids2, w2, ex, "fp8", 5.0, sh), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("T,E,k,kind", [(200, 64, 6, "random"), (256, 16, 4, "few"), (97, 8, 2, "dropped")])
+def test_moe_experts_stream_many_tasks(fmt, T, E, k, kind):
+    """The streaming decode kernels where CTAs' tile ranges cross many tasks (and the shared
+    expert's tasks), against the emulation; bitwise equal on a second call."""
+    g = torch.Generator(device=DEV).manual_seed(T + E)
+    ex, sh = make_experts(E, 256, 512, fmt, seed=E, shared=True)
+    x = torch.randn(T, 512, device=DEV, generator=g).to(torch.bfloat16)
+    ids, w = routing(T, E, k, kind, g)
+    out = run_kernel(x, ids, w, ex, fmt, 6.0, sh)
+    ref = M.moe_experts_ref(x.float(), ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), fmt, 6.0, sh)
+    check(out, emulated(x, ids, w, ex, fmt, 6.0, sh), ref)
+    assert torch.equal(out, run_kernel(x, ids, w, ex, fmt, 6.0, sh))
+
+
 @pytest.mark.sanitize
 def test_moe_sanitize_small():
     """Small cases of every kernel path for compute-sanitizer (tools/gpu/gpu_run.sh)."""
-    for fmt, spread in (("fp8", 0), ("mxfp4", 0), ("mxfp4", 40)):
-        for T in (2, 300):
+    keep = M.STREAM_MIN_T
+    M.STREAM_MIN_T = {}
+    for fmt, spread, T in (("fp8", 0, 1), ("mxfp4", 0, 2), ("mxfp4", 40, 2), ("fp8", 0, 300), ("mxfp4", 0, 300),
+                           ("fp8", 0, 40), ("mxfp4", 40, 40)):
+        for smt in ((0, 256) if T <= 256 else (256,)):
+            M.STREAM_MAX_T = smt
             g = torch.Generator(device=DEV).manual_seed(T)
-            ex, sh = make_experts(4, 128, 256, fmt, seed=T, shared=True, spread=spread)
+            ex, sh = make_experts(4, 256, 256, fmt, seed=T, shared=True, spread=spread)
             x = torch.randn(T, 256, device=DEV, generator=g).to(torch.bfloat16)
             ids, w = routing(T, 4, 2, "dropped", g)
             out = run_kernel(x, ids, w, ex, fmt, 6.0, sh)
             assert torch.isfinite(out).all()
+    M.STREAM_MAX_T, M.STREAM_MIN_T = 256, keep
     logits = torch.randn(5, 64, device=DEV)
     ops.moe_route(logits, 6, bias=torch.randn(64, device=DEV))
     torch.cuda.synchronize()
