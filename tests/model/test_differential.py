@@ -167,8 +167,7 @@ def draw_settings(rng: random.Random, cfg: dict) -> dict:
         st["max_total_tokens"] = max(longest + k + 1, int(total * rng.uniform(0.3, 0.8)))
     if k:  # the random MTP layer's drafts are almost never accepted: verify the right ones too
         st["good_drafts"] = rng.random() < 0.6
-    if "kv_source_layer_ids" in cfg:  # V4.1: DSpark drafts (k <= its block), eager steps
-        st["cuda_graphs"] = False
+    if "kv_source_layer_ids" in cfg:  # V4.1: DSpark drafts (k <= its block; DSpark runs eager steps)
         if k:
             st["num_speculative_tokens"] = min(k, cfg["dspark_block_size"])
             st["dspark_threshold"] = rng.choice([0.0, 0.0, 0.5, 1.0])
