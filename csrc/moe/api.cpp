@@ -174,7 +174,7 @@ void register_moe(py::module_& m) {
         py::arg("out"), py::arg("workspace"), py::arg("limit"), py::arg("shared_w1") = py::none(),
         py::arg("shared_w1_scale") = py::none(), py::arg("shared_w3") = py::none(),
         py::arg("shared_w3_scale") = py::none(), py::arg("shared_w2") = py::none(),
-        py::arg("shared_w2_scale") = py::none(), py::arg("stream_max_t") = 256,
+        py::arg("shared_w2_scale") = py::none(), py::arg("stream_max_t") = 0,
         "routed fp8 / mxfp4 experts (+ an fp8 shared expert) of x [T, d] -> out [T, d]; T <= stream_max_t "
         "(<= 256): the streaming decode kernels (0: the grouped kernels)");
 }

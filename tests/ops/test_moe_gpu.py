@@ -255,7 +255,7 @@ def test_moe_experts_stream_many_tasks(fmt, T, E, k, kind):
 @pytest.mark.sanitize
 def test_moe_sanitize_small():
     """Small cases of every kernel path for compute-sanitizer (tools/gpu/gpu_run.sh)."""
-    keep = M.STREAM_MIN_T
+    keep = M.STREAM_MAX_T, M.STREAM_MIN_T
     M.STREAM_MIN_T = {}
     for fmt, spread, T in (("fp8", 0, 1), ("mxfp4", 0, 2), ("mxfp4", 40, 2), ("fp8", 0, 300), ("mxfp4", 0, 300),
                            ("fp8", 0, 40), ("mxfp4", 40, 40)):
@@ -267,7 +267,7 @@ def test_moe_sanitize_small():
             ids, w = routing(T, 4, 2, "dropped", g)
             out = run_kernel(x, ids, w, ex, fmt, 6.0, sh)
             assert torch.isfinite(out).all()
-    M.STREAM_MAX_T, M.STREAM_MIN_T = 256, keep
+    M.STREAM_MAX_T, M.STREAM_MIN_T = keep
     logits = torch.randn(5, 64, device=DEV)
     ops.moe_route(logits, 6, bias=torch.randn(64, device=DEV))
     torch.cuda.synchronize()
