@@ -834,6 +834,7 @@ def main_v41(a) -> int:
                 if mode != "spec":
                     traceback.print_exc()
     meta["reference_calls"], meta["errors"] = refs, errors
+    meta["engram_prefetch"] = getattr(model, "_engram_prefetch", None) is not None  # the engines' (engine_prefetch) too
     meta["wall_s"] = time.perf_counter() - t_start
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -324,6 +324,7 @@ def test_engine_prefetch_host_tables():
     eng, got = _engine_tokens(model, prompts)
     pf = eng.engram_prefetch
     assert pf is not None and pf is model._engram_prefetch and pf.max_tokens == 32
+    assert attach_prefetch(model, 16) is pf  # no device given: host tables, the model's GPU (weights are buffers)
     served = []
     rows = pf.rows
     pf.rows = lambda l: served.append(l) or rows(l)

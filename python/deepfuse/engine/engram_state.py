@@ -105,7 +105,7 @@ def attach_prefetch(model, max_tokens: int, dtype: Optional[torch.dtype] = None,
     those ids returns the prefetched rows (other ids, e.g. cut by a replay, gather as before).
     Instance attributes only (model code unchanged); returns the EngramPrefetch, None for a
     model without Engram or off the GPU. device: the GPU of the steps (default: the tables'
-    if they are on one, else the model's first CUDA parameter's). Once per model: a prefetch
+    if they are on one, else model.device, else the first CUDA parameter's or buffer's). Once per model: a prefetch
     already attached for at least max_tokens rows of the same dtype and device is returned as
     it is, another one is detached first (engines built again on the same model)."""
     hasher = getattr(model, "engram_hasher", None)
@@ -113,8 +113,10 @@ def attach_prefetch(model, max_tokens: int, dtype: Optional[torch.dtype] = None,
     if not tables or tables[0].weight.device.type == "meta":
         return None
     dev = device if device is not None else tables[0].weight.device
-    if torch.device(dev).type != "cuda":
-        dev = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    if torch.device(dev).type != "cuda":  # host tables: the model's GPU (its weights are buffers, not parameters)
+        md = getattr(model, "device", None)
+        dev = md if md is not None and torch.device(md).type == "cuda" else next(
+            (t.device for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"), None)
     if dev is None:
         return None
     dtype = dtype or getattr(model, "dtype", torch.float32)
