@@ -4,7 +4,7 @@ the top-k written as slots.
 
 python -m microbench.bench_rows --out DIR [--quick] [--next-n 1,2,4]
 python -m microbench.bench_rows --out DIR --indexer [--next-n 1,2,4] [--batches 1,8,...] [--contexts 8192,65536]
-    [--once]
+    [--idx-heads 64,32] [--q-modes exact,fp8] [--no-per-token] [--once]
 
 Per case: time, bytes moved per second and the fraction of the copy ceiling measured in this
 run (bytes = what the op must read and write once), TFLOP/s for the indexer, and the ratio to
@@ -47,9 +47,10 @@ def _ref_time(fn):
         _ext.set_kernels_enabled(prev)
 
 
-def indexer_case(B, C, next_n, g, per_token=False):
+def indexer_case(B, C, next_n, g, per_token=False, heads=64, q_fp8=False):
     """(name, rows, bytes, flops, fn) of indexer_logits_paged for B requests of next_n tokens and
-    C keys each; per_token: entry_slots padded to one row per token (no tokens grouped)."""
+    C keys each (heads index heads; q_fp8: q rounded to e4m3); per_token: entry_slots padded to
+    one row per token (no tokens grouped)."""
     ps = 64
     P = B * C // ps + 1
     kp = torch.randint(0, 120, (P, ps * F.IDX_ROW_BYTES), dtype=torch.uint8, device=DEV)
@@ -60,32 +61,38 @@ def indexer_case(B, C, next_n, g, per_token=False):
         entry = torch.cat([entry, entry.new_full((N - B, C), -1)])
     req = torch.arange(B, device=DEV).repeat_interleave(next_n)
     nv = torch.full((N,), C, dtype=torch.int32, device=DEV)
-    q = _bf(N, 64, 128, g=g)
-    wts = torch.randn(N, 64, device=DEV) * 0.125
-    flops = 2 * N * C * 64 * 128
-    return (f"indexer logits C={C} next_n={next_n}", B, B * C * (F.IDX_ROW_BYTES + 8) + N * C * 4, flops,
-            lambda q=q, w=wts, kp=kp, e=entry, r=req, n=nv: ops.indexer_logits_paged(q, w, kp, ps, e, r, n, 0.088))
+    q = _bf(N, heads, 128, g=g)
+    wts = torch.randn(N, heads, device=DEV) * 0.125
+    flops = 2 * N * C * heads * 128
+    name = f"indexer logits C={C} next_n={next_n} H={heads}" + (" q_fp8" if q_fp8 else "")
+    return (name, B, B * C * (F.IDX_ROW_BYTES + 8) + N * C * 4, flops,
+            lambda q=q, w=wts, kp=kp, e=entry, r=req, n=nv: ops.indexer_logits_paged(q, w, kp, ps, e, r, n, 0.088,
+                                                                                     q_fp8=q_fp8))
 
 
-def indexer_rows(ctx, g, next_n, batches, contexts, once=False):
+def indexer_rows(ctx, g, next_n, batches, contexts, once=False, heads=(64,), q_modes=(False,), per_token=True):
     rows = []
-    for C in contexts:
-        for nn in next_n:
-            for B in batches:
-                name, M, nbytes, flops, fn = indexer_case(B, C, nn, g)
-                if once:  # one call per case, untimed (for a profiler)
-                    fn()
-                    torch.cuda.synchronize()
-                    continue
-                t = H.time_fn(fn)
-                del fn
-                tp = H.time_fn(indexer_case(B, C, nn, g, per_token=True)[4])
-                r = dict(case=name, rows=M, us=t.median_us, TBps=nbytes / t.s / 1e12,
-                         frac_copy=nbytes / t.s / 1e12 / ctx.copy_tbps, TFLOPs=flops / t.s / 1e12,
-                         per_token_us=tp.median_us, x_per_token=tp.median_us / t.median_us)
-                rows.append(r)
-                H.print_table([r], INDEXER_COLS)
-                torch.cuda.empty_cache()
+    for hh in heads:
+        for q_fp8 in q_modes:
+            for C in contexts:
+                for nn in next_n:
+                    for B in batches:
+                        name, M, nbytes, flops, fn = indexer_case(B, C, nn, g, heads=hh, q_fp8=q_fp8)
+                        if once:  # one call per case, untimed (for a profiler)
+                            fn()
+                            torch.cuda.synchronize()
+                            continue
+                        t = H.time_fn(fn)
+                        del fn
+                        r = dict(case=name, rows=M, H=hh, q_fp8=q_fp8, C=C, next_n=nn, B=B, us=t.median_us,
+                                 TBps=nbytes / t.s / 1e12, frac_copy=nbytes / t.s / 1e12 / ctx.copy_tbps,
+                                 TFLOPs=flops / t.s / 1e12)
+                        if per_token:
+                            tp = H.time_fn(indexer_case(B, C, nn, g, per_token=True, heads=hh, q_fp8=q_fp8)[4])
+                            r.update(per_token_us=tp.median_us, x_per_token=tp.median_us / t.median_us)
+                        rows.append(r)
+                        H.print_table([r], INDEXER_COLS)
+                        torch.cuda.empty_cache()
     return rows
 
 
@@ -147,13 +154,19 @@ def _extra(ap):
     ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64, 128], help="requests (--indexer)")
     ap.add_argument("--contexts", type=_ints, default=[8192, 65536], help="keys per request (--indexer)")
     ap.add_argument("--once", action="store_true", help="--indexer: one untimed call per case (for ncu)")
+    ap.add_argument("--idx-heads", type=_ints, default=[64], help="index heads (--indexer): 64 (V4), 32 (V4.1)")
+    ap.add_argument("--q-modes", default="exact", help="--indexer: comma list of exact (q kept: two e4m3 "
+                    "terms), fp8 (q rounded to e4m3, DeepGEMM's contract)")
+    ap.add_argument("--no-per-token", action="store_true", help="--indexer: skip the one-token-per-CTA launches")
 
 
 def main(argv=None):
     args, ctx = H.start(argv, _extra)
     g = torch.Generator(device=DEV).manual_seed(0)
     if args.indexer:
-        rows = indexer_rows(ctx, g, args.next_n, args.batches, args.contexts, args.once)
+        modes = [{"exact": False, "fp8": True}[m] for m in args.q_modes.split(",") if m]
+        rows = indexer_rows(ctx, g, args.next_n, args.batches, args.contexts, args.once, args.idx_heads, modes,
+                            not args.no_per_token)
         if args.once:
             return
         print()

@@ -1,4 +1,5 @@
-// indexer_logits_paged (indexer.h): one CTA per (group of G <= 4 consecutive tokens, run of
+// indexer_logits_paged (indexer.h) on archs other than sm_90a (there: indexer_logits_wgmma.cu,
+// FP8 wgmma): one CTA per (group of G <= 4 consecutive tokens, run of
 // 64-entry tiles). Warp w owns heads [16 w, 16 w + 16): the q (fp16) of the group's tokens stays
 // in registers as MMA B fragments; the keys of a tile (64 rows of 128 e4m3) are gathered from
 // their pages into shared memory with cp.async (double-buffered, 16-byte chunks XOR-swizzled per
@@ -12,6 +13,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+
+#include <stdexcept>
+#include <string>
 
 #include "common/cuda_utils.h"
 #include "indexer/indexer.h"
@@ -271,11 +275,19 @@ void launch(const Args& a, int64_t N, int C, cudaStream_t stream) {
 }
 }  // namespace
 
-void indexer_logits_paged(const void* q, const float* weights, const uint8_t* pages, int64_t page_bytes,
-                          int64_t num_pages, int page_size, const int64_t* entry_slots, int64_t slots_ld,
-                          int64_t num_reqs, const int64_t* token_req, const int32_t* n_vis, int64_t N, int C,
-                          float scale, float* out, cudaStream_t stream) {
+void indexer_logits_paged(const void* q, int H, int q_terms, const float* weights, const uint8_t* pages,
+                          int64_t page_bytes, int64_t num_pages, int page_size, const int64_t* entry_slots,
+                          int64_t slots_ld, int64_t num_reqs, const int64_t* token_req, const int32_t* n_vis,
+                          int64_t N, int C, float scale, float* out, cudaStream_t stream) {
   if (N <= 0 || C <= 0) return;
+  if (device_cc() == 90) {
+    indexer_logits_paged_wgmma(q, H, q_terms, weights, pages, page_bytes, num_pages, page_size, entry_slots,
+                               slots_ld, num_reqs, token_req, n_vis, N, C, scale, out, stream);
+    return;
+  }
+  if (H != kIndexerHeads || q_terms != 2)
+    throw std::invalid_argument("deepfuse: indexer_logits_paged: no kernel for H " + std::to_string(H) +
+                                ", q_fp8 on sm_" + std::to_string(device_cc()) + " (sm_90a only)");
   if (N > 0x7fffffff) throw std::invalid_argument("deepfuse: indexer_logits_paged: too many tokens");
   const Args a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, entry_slots,
                slots_ld, token_req, n_vis, C, scale, out, N, 1};

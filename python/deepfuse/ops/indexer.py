@@ -10,14 +10,21 @@ indexer_logits_paged (the engine's step): the same scores of flat tokens q [N, H
 the keys of their requests in one layer's indexer key pages (kv_format: FP8 rows of 128 e4m3
 + fp32 scale, or dense [P, page_size, 128] rows): key e of token t is the row at slot
 entry_slots[token_req[t], e] (slot < 0: a zero key), out [N, C] fp32 with -inf for
-e >= n_vis[t]. CUDA (csrc/indexer, FP8 pages, H = 64, Di = 128, bf16 q): fp16 MMAs of q
-against the e4m3 codes, the key scale, ReLU and head weights fused; q is rounded to fp16 (exact
-for |q| in [2^-14, 65504]), so the kernel matches the reference to fp32 accumulation order.
+e >= n_vis[t]. CUDA (csrc/indexer, FP8 pages, H = 32 or 64, Di = 128, bf16 q; sm_90a: FP8
+wgmma): q of each (token, head) gets a power-of-two scale s (amax / s in [128, 256)) and goes
+to the tensor cores as e4m3: with q_fp8=False (default) as two terms x = hi + lo / 16 (exact for
+|q / s| >= 2^-6, so q is kept to its bf16 bits), with q_fp8=True as e4m3(q / s) alone
+(DeepGEMM's contract, twice the MMA rate; the reference then rounds q the same way:
+quantize_q_e4m3). The key scale, ReLU and head weights are fused. The FP8 tensor cores sum the
+products with a 13-bit mantissa (truncation), so the kernel matches the reference within
+2^-9 * sum_h |w_h| sum_d |q_hd k_ed| * scale (tests/ops/test_rows_gpu.py), not to fp32 order.
+Other archs: fp16 MMAs (H 64, q_fp8=False only).
 Other inputs on CUDA (e.g. dense key pages of a bf16 / "auto" cache) and indexer_scores (no
 kernel: the full-sequence form) run the reference only where allowed (ops._fallback), else raise.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -86,8 +93,23 @@ def _paged_keys(pages: torch.Tensor, page_size: int, slots: torch.Tensor) -> tor
     return keys.masked_fill(~valid.unsqueeze(-1), 0.0)
 
 
-def indexer_logits_paged_ref(q, weights, pages, page_size: int, entry_slots, token_req, n_vis, scale: float):
+def quantize_q_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """fp32 q as indexer_logits_paged(q_fp8=True) uses it: per row of the last dim a power-of-two
+    scale s = 2^(E - 7) for amax in [2^E, 2^(E + 1)) (biased exponent clamped to >= 8), then
+    e4m3(q / s) * s (round to nearest even)."""
+    qf = q.float()
+    amax = qf.abs().amax(-1, keepdim=True)
+    eb = ((amax.view(torch.int32) >> 23) & 0xFF).clamp(min=8)
+    inv = ((261 - eb) << 23).view(torch.float32)
+    s = ((eb - 7) << 23).view(torch.float32)
+    return (qf * inv).to(torch.float8_e4m3fn).float() * s
+
+
+def indexer_logits_paged_ref(q, weights, pages, page_size: int, entry_slots, token_req, n_vis, scale: float,
+                             q_fp8: bool = False):
     N, H, Di = q.shape
+    if q_fp8:
+        q = quantize_q_e4m3(q)
     C = entry_slots.shape[1]
     out = torch.empty(N, C, dtype=torch.float32, device=q.device)
     chunk = max(1, (1 << 24) // max(1, C * Di))
@@ -102,8 +124,13 @@ def indexer_logits_paged_ref(q, weights, pages, page_size: int, entry_slots, tok
 @op("indexer_logits_paged")
 def _indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, pages: torch.Tensor, page_size: int,
                           entry_slots: torch.Tensor, token_req: torch.Tensor, n_vis: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-    return indexer_logits_paged_ref(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale)
+                          scale: float, q_fp8: bool = False) -> torch.Tensor:
+    return indexer_logits_paged_ref(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale, q_fp8)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def paged_gap(q_dtype: torch.dtype, H: int, Di: int, pages_dtype: torch.dtype) -> Optional[str]:
@@ -111,8 +138,8 @@ def paged_gap(q_dtype: torch.dtype, H: int, Di: int, pages_dtype: torch.dtype) -
     if pages_dtype != torch.uint8:
         return (f"pages hold {str(pages_dtype)[6:]} keys (the kernel reads FP8 key pages: an engine "
                 f"cache with kv_dtype='fp8')")
-    if H != 64:
-        return f"q has {H} index heads (the kernel takes 64)"
+    if H not in (32, 64):
+        return f"q has {H} index heads (the kernel takes 32 or 64)"
     if Di != F.IDX_DIM:
         return f"q has index head dim {Di} (the kernel takes {F.IDX_DIM})"
     if q_dtype != torch.bfloat16:
@@ -121,16 +148,19 @@ def paged_gap(q_dtype: torch.dtype, H: int, Di: int, pages_dtype: torch.dtype) -
 
 
 @_indexer_logits_paged.register_kernel("cuda")
-def _(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale):
+def _(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale, q_fp8=False):
     N, H, Di = q.shape
     why = kernels_off_reason() or paged_gap(q.dtype, H, Di, pages.dtype)
+    if why is None and (H != 64 or q_fp8) and not _is_sm90(q.device.index if q.device.index is not None
+                                                           else torch.cuda.current_device()):
+        why = f"H {H} / q_fp8 {q_fp8} (the kernel for them is sm_90a's)"
     for name, t, dt in (("entry_slots", entry_slots, torch.int64), ("token_req", token_req, torch.int64),
                         ("n_vis", n_vis, torch.int32)):
         if why is None and t.dtype != dt:
             why = f"{name} has dtype {str(t.dtype)[6:]} (the kernel takes {str(dt)[6:]})"
     if why is not None:
         need_reference("indexer_logits_paged", why)
-        return indexer_logits_paged_ref(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale)
+        return indexer_logits_paged_ref(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale, q_fp8)
     C = entry_slots.shape[1]
     out = torch.empty(N, C, dtype=torch.float32, device=q.device)
     if N and C:
@@ -142,21 +172,23 @@ def _(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale):
                              f"[P, {page_size * F.IDX_ROW_BYTES}], got {list(pages.shape)}")
         _ext.ext(q.device).indexer_logits_paged(
             q=qc, weights=wc, pages=pages, entry_slots=entry_slots, token_req=token_req.contiguous(),
-            n_vis=n_vis.contiguous(), scale=float(scale), out=out)
+            n_vis=n_vis.contiguous(), scale=float(scale), q_fp8=bool(q_fp8), out=out)
     return out
 
 
 @_indexer_logits_paged.register_fake
-def _(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale):
+def _(q, weights, pages, page_size, entry_slots, token_req, n_vis, scale, q_fp8=False):
     return q.new_empty(q.shape[0], entry_slots.shape[1], dtype=torch.float32)
 
 
 def indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, pages: torch.Tensor, page_size: int,
                          entry_slots: torch.Tensor, token_req: torch.Tensor, n_vis: torch.Tensor,
-                         scale: float = 1.0) -> torch.Tensor:
+                         scale: float = 1.0, *, q_fp8: bool = False) -> torch.Tensor:
     """Index scores [N, C] of flat tokens against their requests' paged keys (module doc).
     q [N, H, Di], weights [N, H]; pages: one layer's indexer key pages (uint8 [P, page_size *
-    132] or [P, page_size, Di]); entry_slots int64 [B, C]; token_req int64 [N]; n_vis int32 [N]."""
+    132] or [P, page_size, Di]); entry_slots int64 [B, C]; token_req int64 [N]; n_vis int32 [N].
+    q_fp8: q rounded to e4m3 with a power-of-two scale per (token, head) (quantize_q_e4m3;
+    DeepGEMM's fp8_paged_mqa_logits contract), which halves the kernel's tensor-core work."""
     op_name = "indexer_logits_paged"
     check_tensor(op_name, "q", q, dtypes=_FLOATS, ndim=3)
     N, H, Di = q.shape
@@ -175,4 +207,4 @@ def indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, pages: torch.Te
     check_tensor(op_name, "token_req", token_req, dtypes=(torch.int64,), shape=(N,), device=dev)
     check_tensor(op_name, "n_vis", n_vis, dtypes=(torch.int32,), shape=(N,), device=dev)
     return torch.ops.deepfuse.indexer_logits_paged(q, weights, pages, int(page_size), entry_slots, token_req, n_vis,
-                                                   float(scale))
+                                                   float(scale), bool(q_fp8))

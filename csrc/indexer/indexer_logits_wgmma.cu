@@ -1,0 +1,366 @@
+// indexer_logits_paged on sm_90a (indexer.h): FP8 wgmma with the keys as A and q as B.
+//
+// One CTA (one warpgroup, 128 threads) per (group of G consecutive tokens, run of 64-entry key
+// tiles). The keys of a tile (64 rows of 128 e4m3) are gathered from their pages with cp.async
+// straight into a 128-byte-swizzled tile (4 stages, slot indices prefetched one tile ahead), the
+// A operand of wgmma m64nNk32 e4m3 (M = the 64 entries, K = the 128 dims). q of the group's
+// tokens is quantised once per CTA into B tiles: per (token, head) a power-of-two scale s
+// (amax / s in [128, 256)), x = q / s, hi = e4m3(x) and, with two terms, lo = e4m3(16 (x - hi))
+// (exact for |x| >= 2^-6); the B rows of a token are its H hi heads, then its H lo heads
+// (N = H * terms). Accumulator column h of row e is code_e . hi_h; a thread holds whole rows'
+// quads of columns, so the head sum (ReLU, w_h * s_h) runs in registers and over the 4 lanes of
+// a quad: no cross-warp reduction. Each token's wgmmas and sums run in the same order whatever G,
+// so grouping changes no bit.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <stdexcept>
+
+#include "common/arch.h"
+#include "common/cuda_utils.h"
+#include "gemm/wgmma_e4m3.cuh"
+#include "indexer/indexer.h"
+
+namespace deepfuse {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kTile = 64;    // entries per tile (wgmma M)
+constexpr int kRow = 128;    // bytes per key row (K)
+constexpr int kTileBytes = kTile * kRow;
+constexpr int kStages = 4;   // key tiles per CTA: 3 in flight while one is computed
+
+struct WArgs {
+  const __nv_bfloat16* q;
+  const float* weights;
+  const uint8_t* pages;
+  int64_t page_bytes, num_pages;
+  int page_size, page_shift;  // page_shift >= 0: page_size == 1 << page_shift
+  const int64_t* entry_slots;
+  int64_t slots_ld;
+  const int64_t* token_req;
+  const int32_t* n_vis;
+  int C;
+  float scale;
+  float* out;
+  int64_t N;
+  int tiles_per_cta;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// K-major, 128-byte swizzle, 8-row groups 1024 bytes apart (csrc/gemm's descriptor).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+template <int N>
+__device__ __forceinline__ void wgmma_n(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (N == 32) gemm::wgmma_m64n32k32(d, da, db, scale_d);
+  else if constexpr (N == 64) gemm::wgmma_m64n64k32(d, da, db, scale_d);
+  else gemm::wgmma_m64n128k32(d, da, db, scale_d);
+}
+
+// Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile (1024-byte aligned).
+__device__ __forceinline__ uint32_t swz(int r, int c) { return r * kRow + ((c ^ (r & 7)) << 4); }
+
+// Shared memory (dynamic, 1024-byte aligned by hand): key stages, the B tiles of G tokens,
+// key scales, weights times q scales.
+template <int H, int TERMS, int G, int S>
+struct Layout {
+  static constexpr int kQBytes = TERMS * H * kRow;  // one token's B tile
+  static constexpr int kKeys = 0;
+  static constexpr int kQ = S * kTileBytes;
+  static constexpr int kScale = kQ + G * kQBytes;
+  static constexpr int kW = kScale + S * kTile * 4;
+  static constexpr int kBytes = kW + G * H * 4;
+  static constexpr int kAlloc = kBytes + 1024;
+};
+
+// Tokens n0 .. n0 + R - 1 (all of request `req`) against entries [e_begin, e_end).
+template <int H, int TERMS, int G, int R, int S>
+__device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n0, int64_t req, int e_begin,
+                                          int e_end) {
+  using L = Layout<H, TERMS, G, S>;
+  constexpr int N = H * TERMS;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  int live[R];
+  int live_end = e_begin;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int nv = min(__ldg(a.n_vis + n0 + r), a.C);
+    float* orow = a.out + (n0 + r) * a.C;
+    for (int e = max(e_begin, nv) + tid; e < e_end; e += kThreads) orow[e] = -INFINITY;
+    live[r] = min(e_end, nv);
+    live_end = max(live_end, live[r]);
+  }
+  if (e_begin >= live_end) return;  // uniform over the CTA
+  const int64_t* srow = a.entry_slots + req * a.slots_ld;
+  const uint32_t keys_u32 = smem_u32(sm + L::kKeys), q_u32 = smem_u32(sm + L::kQ);
+  const uint32_t ks_u32 = smem_u32(sm + L::kScale);
+  const float* ksc = reinterpret_cast<const float*>(sm + L::kScale);
+  float* wq = reinterpret_cast<float*>(sm + L::kW);
+
+  // Gather: thread tid copies chunk (tid & 7) of rows (tid >> 3) + 16 k, k < 4, and the scale of
+  // those rows (chunk-0 threads). Slot indices come one tile ahead, in registers.
+  const int ch = tid & 7, row0 = tid >> 3;
+  auto fetch_slots = [&](int64_t (&s)[4], int e0) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int e = e0 + row0 + 16 * k;
+      s[k] = e < live_end ? __ldg(srow + e) : -1;
+    }
+  };
+  auto load_tile = [&](int stage, const int64_t (&s)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int row = row0 + 16 * k;
+      const int64_t slot = s[k];
+      int64_t page, prow;
+      if (a.page_shift >= 0) {
+        page = slot >> a.page_shift;
+        prow = slot & ((int64_t(1) << a.page_shift) - 1);
+      } else {
+        page = slot / a.page_size;
+        prow = slot - page * a.page_size;
+      }
+      const bool ok = slot >= 0 && page < a.num_pages;
+      const uint8_t* pbase = a.pages + (ok ? page * a.page_bytes : 0);
+      cp_async16(keys_u32 + stage * kTileBytes + swz(row, ch), ok ? pbase + prow * kRow + ch * 16 : a.pages, ok);
+      if (ch == 0)
+        cp_async4(ks_u32 + (stage * kTile + row) * 4, ok ? pbase + int64_t(a.page_size) * kRow + prow * 4 : a.pages,
+                  ok);
+    }
+  };
+
+  const int ntiles = (live_end - e_begin + kTile - 1) / kTile;
+  int64_t nxt[4];
+  {
+    int64_t s[S - 1][4];
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st)
+      if (st < ntiles) fetch_slots(s[st], e_begin + st * kTile);
+    if (S - 1 < ntiles) fetch_slots(nxt, e_begin + (S - 1) * kTile);
+#pragma unroll
+    for (int st = 0; st < S - 1; ++st) {
+      if (st < ntiles) load_tile(st, s[st]);
+      cp_commit();
+    }
+  }
+
+  // q of the R tokens -> B tiles (8 threads per (token, head) row, 16 dims each) and w * s.
+#pragma unroll
+  for (int k = 0; k < R * H / 16; ++k) {
+    const int idx = tid + kThreads * k, rr = idx >> 3, c = idx & 7, r = rr / H, h = rr % H;
+    const uint4* qp = reinterpret_cast<const uint4*>(a.q + ((n0 + r) * H + h) * kIndexerDim + 16 * c);
+    const uint4 v0 = __ldg(qp), v1 = __ldg(qp + 1);
+    float x[16];
+    const uint32_t wds[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wds[i]));
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+    // s = 2^(E - 7) for amax in [2^E, 2^(E + 1)) (biased exponent clamped to >= 8)
+    const int eb = max(static_cast<int>((__float_as_uint(amax) >> 23) & 0xff), 8);
+    const float inv = __uint_as_float(static_cast<uint32_t>(261 - eb) << 23);
+    const float s = __uint_as_float(static_cast<uint32_t>(eb - 7) << 23);
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float a0 = x[2 * i] * inv, a1 = x[2 * i + 1] * inv;
+      const __nv_fp8x2_storage_t p = __nv_cvt_float2_to_fp8x2(make_float2(a0, a1), __NV_SATFINITE, __NV_E4M3);
+      if (i & 1) hi[i >> 1] |= static_cast<uint32_t>(p) << 16;
+      else hi[i >> 1] = p;
+      if constexpr (TERMS == 2) {
+        const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(p, __NV_E4M3);
+        const float2 hf = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+        const __nv_fp8x2_storage_t pl = __nv_cvt_float2_to_fp8x2(
+            make_float2((a0 - hf.x) * 16.0f, (a1 - hf.y) * 16.0f), __NV_SATFINITE, __NV_E4M3);
+        if (i & 1) lo[i >> 1] |= static_cast<uint32_t>(pl) << 16;
+        else lo[i >> 1] = pl;
+      }
+    }
+    uint8_t* qt = sm + L::kQ + r * L::kQBytes;
+    *reinterpret_cast<uint4*>(qt + swz(h, c)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    if constexpr (TERMS == 2) *reinterpret_cast<uint4*>(qt + swz(H + h, c)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    if (c == 0) wq[r * H + h] = __ldg(a.weights + (n0 + r) * H + h) * s;
+  }
+  fence_proxy_async();  // the B tiles (generic stores) before the wgmmas (async proxy); barrier below
+
+  const int r0 = 16 * warp + g, r1 = r0 + 8;
+  for (int it = 0; it < ntiles; ++it) {
+    const int st = it % S, e0 = e_begin + it * kTile;
+    cp_wait<S - 2>();
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t ka = keys_u32 + st * kTileBytes;
+    float acc[N / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) wgmma_n<N>(acc, smem_desc(ka + 32 * k), smem_desc(q_u32 + 32 * k), k);
+    wgmma_commit();
+    // refill the stage freed by tile it - 1 while the wgmmas run
+    if (it + S - 1 < ntiles) {
+      load_tile((it + S - 1) % S, nxt);
+      if (it + S < ntiles) fetch_slots(nxt, e0 + S * kTile);
+    }
+    cp_commit();
+    const float s0 = a.scale * ksc[st * kTile + r0], s1 = a.scale * ksc[st * kTile + r1];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r > 0) {
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          wgmma_n<N>(acc, smem_desc(ka + 32 * k), smem_desc(q_u32 + r * L::kQBytes + 32 * k), k);
+        wgmma_commit();
+      }
+      wgmma_wait0();
+      fence_regs(acc);
+      const float* w = wq + r * H;
+      float p0 = 0.0f, p1 = 0.0f;
+#pragma unroll
+      for (int j = 0; j < H / 8; ++j) {
+        const float2 w2 = *reinterpret_cast<const float2*>(w + 8 * j + 2 * t);
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          float d0 = acc[4 * j + b], d1 = acc[4 * j + 2 + b];
+          if constexpr (TERMS == 2) {
+            d0 = fmaf(acc[4 * (j + H / 8) + b], 0.0625f, d0);
+            d1 = fmaf(acc[4 * (j + H / 8) + 2 + b], 0.0625f, d1);
+          }
+          const float wb = b ? w2.y : w2.x;
+          p0 = fmaf(wb, fmaxf(d0, 0.0f), p0);
+          p1 = fmaf(wb, fmaxf(d1, 0.0f), p1);
+        }
+      }
+      p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
+      p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
+      p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
+      p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
+      float* orow = a.out + (n0 + r) * a.C + e0;
+      if (t == 0 && e0 + r0 < live[r]) orow[r0] = s0 * p0;
+      if (t == 1 && e0 + r1 < live[r]) orow[r1] = s1 * p1;
+    }
+  }
+}
+
+template <int H, int TERMS, int G, int S>
+__global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) {
+#if DEEPFUSE_SM90A_DEVICE
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const int64_t n0 = int64_t(blockIdx.x) * G;
+  const int rows = a.N - n0 < G ? static_cast<int>(a.N - n0) : G;
+  const int e_begin = blockIdx.y * a.tiles_per_cta * kTile;
+  const int e_end = min(a.C, e_begin + a.tiles_per_cta * kTile);
+  const int64_t req = __ldg(a.token_req + n0);
+  bool shared = rows == G;
+  if constexpr (G > 1) {
+#pragma unroll
+    for (int r = 1; r < G; ++r) shared = shared && (r >= rows || __ldg(a.token_req + n0 + r) == req);
+  }
+  if (shared) {
+    rows_pass<H, TERMS, G, G, S>(a, sm, n0, req, e_begin, e_end);
+  } else {
+    for (int r = 0; r < rows; ++r) {
+      if (r) __syncthreads();
+      rows_pass<H, TERMS, G, 1, S>(a, sm, n0 + r, __ldg(a.token_req + n0 + r), e_begin, e_end);
+    }
+  }
+#else
+  __trap();  // wgmma: sm_90a only (the launcher picks the mma.sync kernel elsewhere)
+#endif
+}
+
+template <int H, int TERMS, int G, int S>
+void launch(const WArgs& a, cudaStream_t stream) {
+  constexpr int smem = Layout<H, TERMS, G, S>::kAlloc;
+  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S>;
+  static int resident_of[64] = {};  // per device: the attribute is set once on each
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  int resident = dev < 64 ? resident_of[dev] : 0;
+  if (resident == 0) {
+    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+               "cudaFuncSetAttribute");
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kern, kThreads, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      resident = 0;
+    }
+    resident = resident > 0 ? resident : 1;
+    if (dev < 64) resident_of[dev] = resident;
+  }
+  const int64_t groups = ceil_div<int64_t>(a.N, G);
+  const int64_t tiles = ceil_div<int64_t>(a.C, kTile);
+  // about four waves of resident CTAs (a short last wave costs little), at most 32 tiles per CTA
+  // (its q quantisation and pipeline fill are paid once per CTA)
+  const int64_t target = int64_t(num_sms()) * resident * 4;
+  int per = static_cast<int>(ceil_div<int64_t>(groups * tiles, target));
+  per = per < 1 ? 1 : per > 32 ? 32 : per;
+  const int64_t splits = ceil_div<int64_t>(tiles, per);
+  WArgs b = a;
+  b.tiles_per_cta = per;
+  kern<<<dim3(static_cast<unsigned>(groups), static_cast<unsigned>(splits)), kThreads, smem, stream>>>(b);
+  check_launch("indexer_wgmma_kernel");
+}
+
+template <int H, int TERMS, int S>
+void launch_g(const WArgs& a, int G, cudaStream_t stream) {
+  switch (G) {
+    case 4: launch<H, TERMS, 4, S>(a, stream); break;
+    case 3: launch<H, TERMS, 3, S>(a, stream); break;
+    case 2: launch<H, TERMS, 2, S>(a, stream); break;
+    default: launch<H, TERMS, 1, S>(a, stream); break;
+  }
+}
+
+}  // namespace
+
+void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* weights, const uint8_t* pages,
+                                int64_t page_bytes, int64_t num_pages, int page_size, const int64_t* entry_slots,
+                                int64_t slots_ld, int64_t num_reqs, const int64_t* token_req, const int32_t* n_vis,
+                                int64_t N, int C, float scale, float* out, cudaStream_t stream) {
+  if (N <= 0 || C <= 0) return;
+  if (N > 0x7fffffff) throw std::invalid_argument("deepfuse: indexer_logits_paged: too many tokens");
+  int shift = -1;
+  if (page_size > 0 && (page_size & (page_size - 1)) == 0) {
+    shift = 0;
+    while ((1 << shift) < page_size) ++shift;
+  }
+  const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
+                entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, 1};
+  const int G = indexer_rows_per_cta(N, num_reqs);
+  if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, G, stream);
+  else if (H == 64 && q_terms == 1) launch_g<64, 1, kStages>(a, G, stream);
+  else if (H == 32 && q_terms == 2) launch_g<32, 2, kStages>(a, G, stream);
+  else if (H == 32 && q_terms == 1) launch_g<32, 1, kStages>(a, G, stream);
+  else throw std::invalid_argument("deepfuse: indexer_logits_paged: H must be 32 or 64, q_terms 1 or 2");
+}
+
+}  // namespace deepfuse
