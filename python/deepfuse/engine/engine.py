@@ -21,6 +21,7 @@ from .request import Request, RequestOutput, SamplingParams, Status
 from .prefix_cache import PrefixCache
 from .replay import make_replay
 from .dspark_runner import dspark_config, make_dspark
+from .engram_state import engine_prefetch
 from .scheduler import ScheduledChunk, Scheduler
 from .speculative import SpecDecoder
 from .v41_cache import V41CacheManager
@@ -94,8 +95,6 @@ class Engine:
         such an engine runs without graphs, overlap and prefix caching."""
         if peers is not None:
             config = dataclasses.replace(config, overlap=False, enable_prefix_caching=False, cuda_graphs=False)
-        if hasattr(model.cfg, "kv_source_layers"):  # DeepSeek V4.1 (models/v41.py): eager steps
-            config = dataclasses.replace(config, cuda_graphs=False)
         config = dspark_config(model, config)  # DSpark drafting: eager, no overlap (engine/dspark_runner.py)
         config.validate()
         self.model, self.config = model, config
@@ -108,6 +107,8 @@ class Engine:
         # the memory plan (engine/memory.py): measured on CUDA, then the caches are sized from it
         par = getattr(model, "parallel", None)
         max_len = config.max_model_len or cfg.max_position_embeddings
+        # V4.1 host Engram tables: the side-stream prefetch (engine/engram_state.py; counted as weights by the plan)
+        self.engram_prefetch = engine_prefetch(model, config.max_num_batched_tokens)
         self.memory_plan = plan_memory(model, config, self.kv_dtype, max_len, self._new_cache,
                                        self._new_graphs if use_graphs else None,
                                        measure=par is None or par.world_size == 1)

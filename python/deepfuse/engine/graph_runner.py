@@ -56,6 +56,7 @@ class _Graph:
     mtp: Optional[tuple] = None       # (graph or None, next ids [bucket * T], rows [bucket], (logits, streams) or None)
     fused: Optional[tuple] = None     # greedy speculative step in one graph: (graph or None, draft slots [bucket], outputs)
     last: Optional[tuple] = None      # CPU: (padded context, outputs) of the last run (the MTP pass reads them)
+    extra: dict = None                # the model's static step inputs (model.step_buffers: V4.1's Engram history)
 
 
 @dataclass
@@ -140,9 +141,18 @@ class GraphRunner:
         host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in hc.arrays]).astype(np.int64))
         buf = host.to(self.device)
         d = self._views(buf, hc)
-        fwd = lambda c: self.model.forward_step(c, self.cache, return_streams=self.return_streams)  # noqa: E731
+        extra = self.model.step_buffers(bucket, self.device) if hasattr(self.model, "step_buffers") else {}
+
+        def fwd(c):
+            for name, t in extra.items():  # static inputs the engine fills before each replay
+                setattr(c, name, t)
+            return self.model.forward_step(c, self.cache, return_streams=self.return_streams)
+
         if not self.capture:
-            return _Graph(pad, buf, hc, d, device_context(hc, d, geom, self.cache.block_tables, self.device), None, None)
+            ctx = device_context(hc, d, geom, self.cache.block_tables, self.device)
+            for name, t in extra.items():
+                setattr(ctx, name, t)
+            return _Graph(pad, buf, hc, d, ctx, None, None, extra=extra)
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         side = torch.cuda.Stream(self.device)
@@ -158,7 +168,7 @@ class GraphRunner:
             ctx = device_context(hc, d, geom, self.cache.block_tables, self.device)
             out = fwd(ctx)
         torch.cuda.synchronize(self.device)
-        gr = _Graph(pad, buf, hc, d, ctx, g, out)
+        gr = _Graph(pad, buf, hc, d, ctx, g, out, extra=extra)
         if self.mtp_graphs:
             nxt = torch.zeros(bucket * T, dtype=torch.int64, device=self.device)
             rows = torch.zeros(bucket, dtype=torch.int64, device=self.device)
@@ -268,6 +278,8 @@ class GraphRunner:
             out = g.out
         else:  # the padded step, eagerly: its context expanded from the filled buffer
             c = device_context(g.hc, g.d, self.cache.geometry, self.cache.block_tables, self.device)
+            for name, t in (g.extra or {}).items():
+                setattr(c, name, t)
             with torch.no_grad():
                 out = self.model.forward_step(c, self.cache, return_streams=self.return_streams)
             g.last = (c, out)

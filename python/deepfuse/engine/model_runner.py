@@ -279,8 +279,12 @@ class ModelRunner:
                                 self.cache.block_tables, self.device, self.cache.host_block_tables)
         hasher = getattr(self.model, "engram_hasher", None)
         if hasher is not None:  # V4.1 Engram: the n-gram history before each chunk
-            ctx.engram_history = to_device(engram_history(b.chunks, hasher.token_map.numpy(), hasher.max_ngram),
-                                           torch.int64, self.device)
+            hist = to_device(engram_history(b.chunks, hasher.token_map.numpy(), hasher.max_ngram), torch.int64,
+                             self.device)
+            if ctx.graph is not None:  # a captured step reads its static buffer (model.step_buffers)
+                ctx.engram_history[:hist.shape[0]].copy_(hist)
+            else:
+                ctx.engram_history = hist
         if b.patch:
             groups: dict = {}
             for row, src, i in b.patch:
