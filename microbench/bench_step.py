@@ -164,6 +164,11 @@ def main(argv=None) -> int:
                     help="also run unsynchronised overlapped steps: wall ms per step, tokens/s per request, how "
                          "many speculative steps launched before the previous one was read back (early_steps), "
                          "the GPU idle fraction between steps (CUDA)")
+    ap.add_argument("--draft-head", nargs="*", default=[None], choices=["fp8", "model"],
+                    help="with --spec: the MTP drafts' lm head (EngineConfig.spec_draft_head; default: the model's); "
+                         "several: one row per head, same model")
+    ap.add_argument("--with-plain", action="store_true",
+                    help="with --spec: also run each cell without speculation (same model and session: the ratio's base)")
     ap.add_argument("--reference", action="store_true",
                     help="every model-graph op through its torch reference (the eager baseline)")
     a = ap.parse_args(argv)
@@ -191,88 +196,91 @@ def main(argv=None) -> int:
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
     gc = torch.Generator().manual_seed(0)
-    for ctx in a.contexts:
-        for B in a.batches:
-            llm = LLM(model, kv_dtype="fp8", max_num_seqs=B, max_num_batched_tokens=max(256, B * 4),
-                      max_total_tokens=B * (ctx + 512), max_model_len=ctx + 512, overlap=False,
-                      cuda_graphs=not (a.no_graphs or a.reference), num_speculative_tokens=a.spec,
-                      spec_simulate_acc_len=a.acc)
-            eng = llm.engine
-            fill_caches(eng.cache, g)
-            start_requests(eng, B, ctx, gc)
-            eng.step()  # warm-up (with --spec: the first drafts)
-            eng.step()
-            spec0 = eng.stats()["spec"] if a.spec else None
-            step = statistics.median(timed_step(eng, dev) for _ in range(a.steps))
-            fl = floor_bytes(model, B, ctx)
-            row = {"B": B, "context": ctx, "step_ms": step * 1e3, "floor_MB": fl / 1e6,
-                   "graph_capture_s": eng.graph_capture_s, "fused_steps": eng.runner.fused_steps}
-            if a.spec and eng.runner.graphs is not None:  # the speculative step's graphs against a plain decode
-                gr = eng.runner.graphs
-                bucket = next(b for b in gr.buckets if b >= B)
-                for T, name in ((1, "decode_replay_ms"), (a.spec + 1, "verify_replay_ms")):
-                    g_ = gr.graphs.get((bucket, T))
-                    if g_ is not None and g_.graph is not None:
-                        row[name] = replay_ms(g_.graph)
-                        if T > 1 and g_.mtp is not None and g_.mtp[0] is not None:
-                            row["mtp_replay_ms"] = replay_ms(g_.mtp[0])  # the teacher-forced MTP pass
-                        if T > 1 and g_.fused is not None and g_.fused[0] is not None:
-                            row["fused_replay_ms"] = replay_ms(g_.fused[0])  # the whole greedy speculative step
-                ch = gr.chains.get(bucket)
-                if ch is not None and ch.graph is not None:
-                    row["chain_replay_ms"] = replay_ms(ch.graph)      # one chained draft step
-                if "decode_replay_ms" in row and "verify_replay_ms" in row:
-                    row["verify_x_decode"] = row["verify_replay_ms"] / row["decode_replay_ms"]
-                    if "mtp_replay_ms" in row and "chain_replay_ms" in row:
-                        # drafts + verify in replays only (goal <= 1.6x at B <= 8); step_x_decode: measured step
-                        row["spec_replays_x_decode"] = (row["verify_replay_ms"] + row["mtp_replay_ms"] + (a.spec - 1)
-                                                        * row["chain_replay_ms"]) / row["decode_replay_ms"]
-                        row["step_x_decode"] = step * 1e3 / row["decode_replay_ms"]
-                    if "fused_replay_ms" in row:  # the goal's figure: a speculative step <= 1.6x a decode step
-                        row["fused_x_decode"] = row["fused_replay_ms"] / row["decode_replay_ms"]
-            if a.spec:  # tokens each request emits per step, over the timed steps
+    variants = ([(0, None)] if a.spec and a.with_plain else []) + [(a.spec, h if a.spec else None)
+                                                                  for h in (a.draft_head if a.spec else [None])]
+    cells = [(ctx, B, k, h) for ctx in a.contexts for B in a.batches for k, h in variants]
+    for ctx, B, spec, head in cells:
+        llm = LLM(model, kv_dtype="fp8", max_num_seqs=B, max_num_batched_tokens=max(256, B * 4),
+                  max_total_tokens=B * (ctx + 512), max_model_len=ctx + 512, overlap=False,
+                  cuda_graphs=not (a.no_graphs or a.reference), num_speculative_tokens=spec,
+                  spec_simulate_acc_len=a.acc if spec else None, spec_draft_head=head)
+        eng = llm.engine
+        fill_caches(eng.cache, g)
+        start_requests(eng, B, ctx, gc)
+        eng.step()  # warm-up (with --spec: the first drafts)
+        eng.step()
+        spec0 = eng.stats()["spec"] if spec else None
+        step = statistics.median(timed_step(eng, dev) for _ in range(a.steps))
+        fl = floor_bytes(model, B, ctx)
+        row = {"B": B, "context": ctx, "spec": spec, "step_ms": step * 1e3, "floor_MB": fl / 1e6,
+               "graph_capture_s": eng.graph_capture_s, "fused_steps": eng.runner.fused_steps}
+        if spec and eng.runner.graphs is not None:  # the speculative step's graphs against a plain decode
+            gr = eng.runner.graphs
+            bucket = next(b for b in gr.buckets if b >= B)
+            for T, name in ((1, "decode_replay_ms"), (spec + 1, "verify_replay_ms")):
+                g_ = gr.graphs.get((bucket, T))
+                if g_ is not None and g_.graph is not None:
+                    row[name] = replay_ms(g_.graph)
+                    if T > 1 and g_.mtp is not None and g_.mtp[0] is not None:
+                        row["mtp_replay_ms"] = replay_ms(g_.mtp[0])  # the teacher-forced MTP pass
+                    if T > 1 and g_.fused is not None and g_.fused[0] is not None:
+                        row["fused_replay_ms"] = replay_ms(g_.fused[0])  # the whole greedy speculative step
+            ch = gr.chains.get(bucket)
+            if ch is not None and ch.graph is not None:
+                row["chain_replay_ms"] = replay_ms(ch.graph)      # one chained draft step
+            if "decode_replay_ms" in row and "verify_replay_ms" in row:
+                row["verify_x_decode"] = row["verify_replay_ms"] / row["decode_replay_ms"]
+                if "mtp_replay_ms" in row and "chain_replay_ms" in row:
+                    # drafts + verify in replays only (goal <= 1.6x at B <= 8); step_x_decode: measured step
+                    row["spec_replays_x_decode"] = (row["verify_replay_ms"] + row["mtp_replay_ms"] + (spec - 1)
+                                                    * row["chain_replay_ms"]) / row["decode_replay_ms"]
+                    row["step_x_decode"] = step * 1e3 / row["decode_replay_ms"]
+                if "fused_replay_ms" in row:  # the goal's figure: a speculative step <= 1.6x a decode step
+                    row["fused_x_decode"] = row["fused_replay_ms"] / row["decode_replay_ms"]
+        if spec:  # tokens each request emits per step, over the timed steps
+            st = eng.stats()["spec"]
+            row["draft_head"] = st["draft_head"]
+            rows_v = st["verify_steps"] - spec0["verify_steps"]
+            row["tokens_per_step"] = ((st["mean_accepted_length"] or 0) * st["verify_steps"]
+                                      - (spec0["mean_accepted_length"] or 0) * spec0["verify_steps"]) / max(rows_v, 1)
+            row["tok_s_per_req"] = row["tokens_per_step"] / step
+        if copy:
+            row["floor_ms"] = fl / copy * 1e3
+            row["x_floor"] = step / (fl / copy)
+        if a.overlap:  # the overlapped loop: wall time per step, tokens/s, GPU idle between steps
+            cuda = dev.type == "cuda"
+            eng.overlap, eng.gpu_events = True, [] if cuda else None
+            eng.step()  # the first overlapped step (nothing in flight yet)
+            spec1, e0, n = eng.stats().get("spec"), eng.runner.early_steps, 2 * a.steps
+            _sync(dev)
+            t = time.perf_counter()
+            for _ in range(n):
+                eng.step()
+            _sync(dev)
+            ov = (time.perf_counter() - t) / n
+            row["overlap_step_ms"] = ov * 1e3
+            row["early_steps"] = eng.runner.early_steps - e0  # steps launched before the previous read-back
+            tps = 1.0
+            if spec:
                 st = eng.stats()["spec"]
-                rows_v = st["verify_steps"] - spec0["verify_steps"]
-                row["tokens_per_step"] = ((st["mean_accepted_length"] or 0) * st["verify_steps"]
-                                          - (spec0["mean_accepted_length"] or 0) * spec0["verify_steps"]) / max(rows_v, 1)
-                row["tok_s_per_req"] = row["tokens_per_step"] / step
-            if copy:
-                row["floor_ms"] = fl / copy * 1e3
-                row["x_floor"] = step / (fl / copy)
-            if a.overlap:  # the overlapped loop: wall time per step, tokens/s, GPU idle between steps
-                cuda = dev.type == "cuda"
-                eng.overlap, eng.gpu_events = True, [] if cuda else None
-                eng.step()  # the first overlapped step (nothing in flight yet)
-                spec1, e0, n = eng.stats().get("spec"), eng.runner.early_steps, 2 * a.steps
-                _sync(dev)
-                t = time.perf_counter()
-                for _ in range(n):
-                    eng.step()
-                _sync(dev)
-                ov = (time.perf_counter() - t) / n
-                row["overlap_step_ms"] = ov * 1e3
-                row["early_steps"] = eng.runner.early_steps - e0  # steps launched before the previous read-back
-                tps = 1.0
-                if a.spec:
-                    st = eng.stats()["spec"]
-                    rv = st["verify_steps"] - spec1["verify_steps"]
-                    tps = ((st["mean_accepted_length"] or 0) * st["verify_steps"]
-                           - (spec1["mean_accepted_length"] or 0) * spec1["verify_steps"]) / max(rv, 1)
-                row["overlap_tok_s_per_req"] = tps / ov
-                if cuda:
-                    ev = eng.gpu_events
-                    gaps = [max(0.0, x[1].elapsed_time(y[0])) for x, y in zip(ev, ev[1:])]
-                    busy = [s_.elapsed_time(e_) for s_, e_ in ev[1:]]
-                    row["gpu_idle_frac"] = sum(gaps) / max(sum(gaps) + sum(busy), 1e-9)
-                eng.gpu_events = None
-                while eng._inflight is not None:  # settle the step in flight: the profile below runs the plain loop
-                    eng.overlap = False
-                    eng.step()
-            row["top_ops"] = step_profile(eng, dev)
-            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "top_ops"})
-            print("   largest:", ", ".join(f"{r['op']} {r['ms']:.2f} ms" for r in row["top_ops"][:5]))
-            rows.append(row)
-            del llm, eng
+                rv = st["verify_steps"] - spec1["verify_steps"]
+                tps = ((st["mean_accepted_length"] or 0) * st["verify_steps"]
+                       - (spec1["mean_accepted_length"] or 0) * spec1["verify_steps"]) / max(rv, 1)
+            row["overlap_tok_s_per_req"] = tps / ov
+            if cuda:
+                ev = eng.gpu_events
+                gaps = [max(0.0, x[1].elapsed_time(y[0])) for x, y in zip(ev, ev[1:])]
+                busy = [s_.elapsed_time(e_) for s_, e_ in ev[1:]]
+                row["gpu_idle_frac"] = sum(gaps) / max(sum(gaps) + sum(busy), 1e-9)
+            eng.gpu_events = None
+            while eng._inflight is not None:  # settle the step in flight: the profile below runs the plain loop
+                eng.overlap = False
+                eng.step()
+        row["top_ops"] = step_profile(eng, dev)
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "top_ops"})
+        print("   largest:", ", ".join(f"{r['op']} {r['ms']:.2f} ms" for r in row["top_ops"][:5]))
+        rows.append(row)
+        del llm, eng
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -282,6 +290,7 @@ def main(argv=None) -> int:
     meta["path"] = "reference" if a.reference else "kernels"
     meta["graphs"] = not (a.no_graphs or a.reference)
     meta["spec"], meta["acc"], meta["overlap"] = a.spec, a.acc, a.overlap
+    meta["draft_heads"], meta["with_plain"] = a.draft_head, a.with_plain
     name = "step_reference" if a.reference else "step_eager" if a.no_graphs else "step"
     if a.spec:
         name += f"_spec{a.spec}_acc{a.acc}"

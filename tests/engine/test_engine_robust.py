@@ -195,10 +195,10 @@ def test_drafting_failure_of_one_request(tiny, monkeypatch):
     llm = LLM(tiny, max_num_seqs=4, max_num_batched_tokens=37, max_total_tokens=700, num_speculative_tokens=2)
     orig = tiny.mtp_forward_step
 
-    def mtp_forward_step(ctx, cache, streams, next_ids, layer=0):
+    def mtp_forward_step(ctx, cache, streams, next_ids, layer=0, **kw):
         if bool((ctx.input_ids == POISON).any()):
             raise RuntimeError("poisoned draft")
-        return orig(ctx, cache, streams, next_ids, layer)
+        return orig(ctx, cache, streams, next_ids, layer, **kw)
     monkeypatch.setattr(tiny, "mtp_forward_step", mtp_forward_step)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     got = run(llm.engine, [(f"r{i}", p, sp) for i, p in enumerate(prompts)])

@@ -6,7 +6,7 @@ import torch
 from deepfuse import models
 from deepfuse.engine import LLM, SamplingParams
 from deepfuse.engine.sampler import Sampler, SamplingBatch, derive_seed
-from deepfuse.engine.speculative import DRAFT, accept_drafts
+from deepfuse.engine.speculative import DRAFT, SpecDecoder, accept_drafts
 
 from engine_util import chi2_ok, run_chunks
 from test_engine import assert_cache_empty, full_greedy_agrees, prompts_for
@@ -189,6 +189,44 @@ def test_mtp_flat_step_matches_full_mtp_forward(tiny):
     assert run_chunks(tiny, x[:, :T], [0, 40, 41, 100, T]).shape == (2, T, tiny.cfg.vocab_size)
 
 
+def test_mtp_rows_only_pass_writes_every_row(tiny):
+    """mtp_forward_step(rows_only=True) (the drafts' teacher-forced pass: the FFN half at the
+    logits rows only): the logits and streams of those rows equal the full pass's, and the
+    cache rows it writes serve a later full chunk exactly as the full pass's do."""
+    from deepfuse.engine.cache import CacheManager
+    from deepfuse.engine.context import build_context
+
+    T = 150
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(0, tiny.cfg.vocab_size, (2, T + 1), generator=g)
+    caches = [CacheManager(tiny.cfg, model_dtype=torch.float32, device="cpu", max_num_seqs=2,
+                           max_num_batched_tokens=2 * T, max_total_tokens=2 * T + 64, max_model_len=T + 64,
+                           page_size=16, num_mtp_layers=1) for _ in range(2)]
+    for cache in caches:
+        for rc in [cache.admit() for _ in range(2)]:
+            cache.grow(rc, T)
+        cache.flush()
+    for a, b in zip([0, 60, 100], [60, 100, T]):
+        n = b - a
+        outs = []
+        for only, cache in zip((False, True), caches):
+            def ctx_of(ids, nl):
+                return build_context(ids.reshape(-1).numpy(), np.full(2, a), np.full(2, n), np.array([0, 1]),
+                                     np.full(2, nl), cache.geometry, cache.block_tables, "cpu", cache.host_block_tables)
+            with torch.no_grad():
+                _, xs = tiny.forward_step(ctx_of(x[:, a:b], n), cache, return_streams=True)
+                mctx = ctx_of(x[:, a + 1:b + 1], n)
+                if b < T:  # drafting rows: the last of request 0, two of request 1
+                    mctx.logits_indices = torch.tensor([n - 1, n + 3, 2 * n - 1])
+                    lg, ys = tiny.mtp_forward_step(mctx, cache, xs, mctx.input_ids, rows_only=only)
+                    outs.append((lg, ys if only else ys[mctx.logits_indices]))
+                else:  # a full chunk on the rows each pass wrote
+                    outs.append(tiny.mtp_forward_step(mctx, cache, xs, mctx.input_ids))
+        assert outs[1][1].shape[0] == outs[0][1].shape[0]
+        for u, v in zip(outs[0], outs[1]):
+            assert torch.allclose(u, v, rtol=1e-5, atol=1e-5), (a, b)
+
+
 
 @pytest.mark.parametrize("case", ["plain", "topk", "topp", "close_q", "bad_q"])
 def test_rejection_sampling_emits_the_target_distribution(case):
@@ -251,8 +289,47 @@ def test_simulated_acceptance_and_validation(tiny):
     assert all(len(o.token_ids) == 30 for o in outs)
     st = llm.engine.stats()["spec"]
     assert 2.5 <= st["mean_accepted_length"] <= 3.0
+    sim = SpecDecoder(tiny, 3, simulate_acc_len=3.25)  # a fraction: its mean over any run of draws, B = 1 too
+    one = [int(sim.simulated_lengths(np.array([3]))[0]) for _ in range(8)]
+    assert sorted(set(one)) == [2, 3] and sum(one) == 18
+    assert sim.simulated_lengths(np.array([3, 0, 1, 3, 3, 3])).tolist() == [2, 0, 1, 2, 3, 2]  # capped: 1
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(tiny, num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="spec_simulate_acc_len"):
         LLM(tiny, num_speculative_tokens=2, spec_simulate_acc_len=4.0)
     assert_cache_empty(llm.engine)
+
+
+def test_fp8_draft_head_keeps_outputs_exact(tiny, reference):
+    """spec_draft_head="fp8" (on the CPU the FP8 values through a dense head): the
+    MTP drafts come from an FP8 copy of the lm head on every path (eager, padded graph
+    steps, overlap with early steps), greedy outputs equal those without speculation, seeded
+    outputs equal the plain loop's with the same drafts (q = the FP8 head's distribution)."""
+    from deepfuse.engine.speculative import make_draft_head
+
+    prompts, mts, ref = reference
+    head = make_draft_head(tiny, "fp8")
+    assert make_draft_head(tiny, "fp8") is head  # made once per model and weights
+    w = head.weight  # on the CPU: the FP8 copy dequantised (the reference's arithmetic)
+    assert not torch.equal(w, tiny.head.weight) and torch.allclose(w, tiny.head.weight, rtol=0.07, atol=1e-3)
+    assert make_draft_head(tiny, None) is None and make_draft_head(tiny, "model") is None  # the default: the model's
+    calls = []
+    hook = head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        llm, got = run_spec(tiny, prompts[:5], mts[:5], 3, spec_draft_head="fp8")
+        assert got == ref[:5] and calls
+        assert llm.engine.stats()["spec"]["draft_head"] == "fp8"
+        sp = [SamplingParams(max_tokens=14, temperature=0.9, top_k=40, seed=3 + i, ignore_eos=True) for i in range(3)]
+        kw = dict(max_total_tokens=2000, num_speculative_tokens=3, spec_draft_head="fp8")
+        plain = [o.token_ids for o in LLM(tiny, **kw).generate(prompts[1:4], sp)]
+        for graphs, overlap in ((True, False), (True, True)):
+            n = len(calls)
+            llm = LLM(tiny, **kw, cuda_graphs=graphs, overlap=overlap)
+            if graphs:
+                llm.engine.runner.graphs.buckets = (2, 4)
+            assert [o.token_ids for o in llm.generate(prompts[1:4], sp)] == plain, (graphs, overlap)
+            assert len(calls) > n and (not overlap or llm.engine.runner.early_steps > 0)
+    finally:
+        hook.remove()
+    with pytest.raises(ValueError, match="spec_draft_head"):
+        LLM(tiny, num_speculative_tokens=2, spec_draft_head="fp4")

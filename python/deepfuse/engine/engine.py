@@ -20,10 +20,10 @@ from .model_runner import ModelRunner, StepBatch, StepResult, logits_rows
 from .request import Request, RequestOutput, SamplingParams, Status
 from .prefix_cache import PrefixCache
 from .replay import make_replay
-from .dspark_runner import dspark_config, make_dspark
+from .dspark_runner import dspark_config, make_dspark, spec_method
 from .engram_state import engine_prefetch
 from .scheduler import ScheduledChunk, Scheduler
-from .speculative import SpecDecoder
+from .speculative import DRAFT_HEADS, SpecDecoder, make_draft_head
 from .v41_cache import V41CacheManager
 
 
@@ -47,6 +47,7 @@ class EngineConfig:
     swa_replay_window: int = 0               # V4.1: late layers prefill only each prompt's last K tokens (approximate; 0: off)
     spec_method: Optional[str] = None        # "dspark" / "mtp"; None: DSpark if the model has a DSpark head, else MTP
     dspark_threshold: float = 0.5            # DSpark: verify the leading drafts with confidence >= this (0: all k)
+    spec_draft_head: Optional[str] = None    # MTP drafts' lm head: "fp8" (an FP8 copy) / "model" (None: the model's)
 
     def validate(self) -> "EngineConfig":
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "prefix_cache_entries",
@@ -64,6 +65,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"deepfuse: {name} must be None or an int >= 1, got {v!r}")
+        if self.spec_draft_head not in (None,) + DRAFT_HEADS:
+            raise ValueError(f"deepfuse: spec_draft_head must be None or one of {DRAFT_HEADS}, got {self.spec_draft_head!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"deepfuse: kv_dtype must be None or one of {KV_DTYPES}, got {self.kv_dtype!r}")
         u = self.gpu_memory_utilization
@@ -104,6 +107,9 @@ class Engine:
         self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
         self.kv_dtype = resolve_kv_dtype(config.kv_dtype, cfg, model.device, model.dtype)
         use_graphs = config.cuda_graphs if config.cuda_graphs is not None else model.device.type == "cuda"
+        # the MTP draft steps' lm head (an FP8 copy if asked; made before the memory plan measures the weights)
+        mtp_drafts = spec_method(model, config) == "mtp" and not hasattr(model.cfg, "kv_source_layers")
+        self.draft_head = make_draft_head(model, config.spec_draft_head) if mtp_drafts and peers is None else None
         # the memory plan (engine/memory.py): measured on CUDA, then the caches are sized from it
         par = getattr(model, "parallel", None)
         max_len = config.max_model_len or cfg.max_position_embeddings
@@ -123,7 +129,9 @@ class Engine:
         self.spec = None
         if config.num_speculative_tokens:
             self.spec = SpecDecoder(model, config.num_speculative_tokens, simulate_acc_len=config.spec_simulate_acc_len)
-        self.runner = ModelRunner(model, self.cache, graphs, spec=self.spec, peers=peers)
+        if self.spec is not None:
+            self.spec.stats.draft_head = "fp8" if self.draft_head is not None else "model"
+        self.runner = ModelRunner(model, self.cache, graphs, spec=self.spec, peers=peers, draft_head=self.draft_head)
         self.runner.replay = make_replay(model, config)  # None unless swa_replay_window (engine/replay.py)
         self.runner.dspark = make_dspark(model, config, self.cache)  # None unless DSpark drafts
         # captured at start-up on CUDA (seconds, reported here); on the CPU padded steps run eagerly
@@ -153,7 +161,7 @@ class Engine:
     def _new_graphs(self, cache: CacheManager) -> GraphRunner:
         k = self.config.num_speculative_tokens
         return GraphRunner(self.model, cache, max_reqs=self.config.max_num_seqs, tokens=(1, k + 1) if k else (1,),
-                           mtp=bool(k))
+                           mtp=bool(k), draft_head=self.draft_head)
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_token_ids, params: Optional[SamplingParams]) -> tuple[list[int], SamplingParams]:

@@ -89,8 +89,9 @@ def _tensors(x):
 
 class GraphRunner:
     def __init__(self, model, cache, *, max_reqs: int, tokens: tuple[int, ...] = (1,), return_streams: bool = False,
-                 buckets: Optional[tuple[int, ...]] = None, mtp: bool = False):
+                 buckets: Optional[tuple[int, ...]] = None, mtp: bool = False, draft_head=None):
         self.model, self.cache = model, cache
+        self.draft_kw = {} if draft_head is None else {"head": draft_head}  # the MTP passes' lm head
         self.device = model.device
         self.capture = self.device.type == "cuda"
         self.mtp_graphs = mtp
@@ -172,7 +173,8 @@ class GraphRunner:
         if self.mtp_graphs:
             nxt = torch.zeros(bucket * T, dtype=torch.int64, device=self.device)
             rows = torch.zeros(bucket, dtype=torch.int64, device=self.device)
-            mtp = lambda: self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, out[1], nxt)  # noqa: E731
+            mtp = lambda: self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, out[1], nxt,  # noqa: E731
+                                                       rows_only=True, **self.draft_kw)
             gr.mtp = (self._capture(mtp), nxt, rows, self._outs)
             st = self._fused_inputs(bucket)
             gr.fused = (self._capture(lambda: self._fused(hc, d, *st[:4])), st, self._outs)
@@ -291,7 +293,7 @@ class GraphRunner:
     def mtp(self, ctx: StepContext, nxt: torch.Tensor, rows: torch.Tensor):
         """The MTP layer's teacher-forced pass of the step just run (ctx: its context):
         nxt [N] the next ids, rows [B] the flat row of each request's drafting row ->
-        (logits [B, V], streams [N, hc, d])."""
+        (logits [B, V], streams [B, hc, d] of those rows)."""
         g = ctx.graph
         N, B = ctx.num_tokens, ctx.num_reqs
         if g.mtp is None:
@@ -305,8 +307,9 @@ class GraphRunner:
         else:
             c, out = g.last
             with torch.no_grad():
-                outs = self.model.mtp_forward_step(replace(c, logits_indices=g_rows), self.cache, out[1], g_nxt)
-        return outs[0][:B], outs[1][:N]
+                outs = self.model.mtp_forward_step(replace(c, logits_indices=g_rows), self.cache, out[1], g_nxt,
+                                                   rows_only=True, **self.draft_kw)
+        return outs[0][:B], outs[1][:B]
 
     # ------------------------------------------------------------------ the greedy speculative step, fused
     def _fused_inputs(self, bucket: int) -> tuple:
@@ -341,8 +344,9 @@ class GraphRunner:
             tokens = target
         row_a = torch.arange(Bk, device=self.device) * T + a
         base = ctx.positions.view(Bk, T)[:, 0] + a
-        lg, y = m.mtp_forward_step(replace(ctx, logits_indices=row_a), cache, streams, tokens.reshape(-1))
-        drafts, x = [lg.argmax(-1)], y[row_a]
+        lg, x = m.mtp_forward_step(replace(ctx, logits_indices=row_a), cache, streams, tokens.reshape(-1), rows_only=True,
+                                   **self.draft_kw)
+        drafts = [lg.argmax(-1)]
         for j in range(1, self.k):
             lg, x = self._chain_fn(drafts[-1], base + j, slots, x)
             drafts.append(lg.argmax(-1))
@@ -414,7 +418,7 @@ class GraphRunner:
         cache = self.cache
         entries = tuple(cache.block_tables[r].shape[1] * cache.page_size for r, _ in cache.geometry.schedules)
         cctx = decode_context(ids, pos, slots, cache.geometry, cache.block_tables, entries)
-        return self.model.mtp_forward_step(cctx, cache, x, ids)
+        return self.model.mtp_forward_step(cctx, cache, x, ids, **self.draft_kw)
 
     def chain(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, x: torch.Tensor):
         """One chained draft step of B requests in the smallest bucket >= B -> (logits [B, V],

@@ -189,8 +189,10 @@ class _Launched:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: CacheManager, graphs=None, *, spec: Optional[SpecDecoder] = None, peers=None):
+    def __init__(self, model, cache: CacheManager, graphs=None, *, spec: Optional[SpecDecoder] = None, peers=None,
+                 draft_head=None):
         self.model, self.cache = model, cache
+        self.draft_kw = {} if draft_head is None else {"head": draft_head}  # the MTP passes' lm head (drafts only)
         self.device = model.device
         self.sampler = Sampler()
         self.graphs = graphs  # GraphRunner: uniform steps (and their MTP passes) replay captured graphs
@@ -501,7 +503,7 @@ class ModelRunner:
         dsb = replace(sb, temperature=sb.temperature[idx], top_k=sb.top_k[idx], top_p=sb.top_p[idx],
                       min_p=sb.min_p[idx], seed=derive_seeds(sb.seed[idx], DRAFT), position=base)
         drafts, logqs = [], []
-        x = y[row_a]
+        x = y
         for j in range(self.k):
             d, lq = self._draft_tokens(logits, dsb, base + 2 + j)
             drafts.append(d)
@@ -524,10 +526,11 @@ class ModelRunner:
 
     def _mtp(self, ctx: StepContext, streams: torch.Tensor, nxt: torch.Tensor, rows: torch.Tensor):
         """The MTP layer's teacher-forced pass on the step's context -> (logits [B, V] at
-        `rows`, its output streams [N, hc, d])."""
+        `rows`, its output streams [B, hc, d] there; its FFN half runs at those rows only)."""
         if ctx.graph is not None:
             return self.graphs.mtp(ctx, nxt, rows)
-        return self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, streams, nxt)
+        return self.model.mtp_forward_step(replace(ctx, logits_indices=rows), self.cache, streams, nxt, rows_only=True,
+                                           **self.draft_kw)
 
     def _chain(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, streams: torch.Tensor):
         """One chained draft step (a token per request at device positions) -> (logits [B, V],
@@ -537,7 +540,7 @@ class ModelRunner:
         c = self.cache
         entries = tuple(c.block_tables[r].shape[1] * c.page_size for r, _ in c.geometry.schedules)
         cctx = decode_context(ids, pos, slots, c.geometry, c.block_tables, entries)
-        return self.model.mtp_forward_step(cctx, c, streams, ids)
+        return self.model.mtp_forward_step(cctx, c, streams, ids, **self.draft_kw)
 
     # ------------------------------------------------------------------ tensor parallel followers
     @torch.no_grad()
@@ -553,11 +556,11 @@ class ModelRunner:
         N, B = len(ids), len(starts)
         pack = self.peers.share(torch.empty(N + 2 * B, dtype=torch.int64, device=dev))
         nxt, row_a, base = pack[:N], pack[N:N + B], pack[N + B:]
-        _, y = self.model.mtp_forward_step(replace(ctx, logits_indices=row_a), c, out[1], nxt)
+        _, y = self.model.mtp_forward_step(replace(ctx, logits_indices=row_a), c, out[1], nxt, rows_only=True)
         if not (dslots >= 0).any():
             return
         s = to_device(dslots, torch.int64, dev)
-        x = y[row_a]
+        x = y
         for j in range(self.k - 1):
             d = self.peers.share(torch.empty(B, dtype=torch.int64, device=dev))
             _, x = self._chain(d, base + 1 + j, s, x)

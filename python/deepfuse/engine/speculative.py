@@ -26,7 +26,7 @@ recomputes from the first unaccepted position.
 """
 from __future__ import annotations
 
-import random
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -37,6 +37,64 @@ from .request import Request
 from .sampler import ACCEPT, DRAFT, RESIDUAL, accept_drafts  # noqa: F401  (re-exported)
 
 
+DRAFT_HEADS = ("fp8", "model")
+_DRAFT_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (weight key, head)
+
+
+def draft_head_gap(model) -> Optional[str]:
+    """Why an FP8 copy of model's lm head cannot serve its draft steps (None: it can; off CUDA
+    the FP8 linear's reference)."""
+    from deepfuse.ops.linear import linear_gap
+
+    head = model.head
+    if head.fmt != "dense":
+        return f"the lm head is {head.fmt} already"
+    par = getattr(model, "parallel", None)
+    if par is not None and par.world_size > 1:
+        return "the lm head is sharded (tensor parallel)"
+    if model.device.type != "cuda":
+        return None
+    return linear_gap(model.dtype, head.in_features, torch.empty(0, device="meta"),
+                      torch.empty(0, device="meta"), "fp8")
+
+
+def make_draft_head(model, mode: Optional[str]):
+    """The lm head of the MTP draft steps (EngineConfig.spec_draft_head) -> a Linear, or None
+    for the model's own head (mode None / "model", the default).
+
+    mode "fp8": an FP8 copy of the model's dense head (128 x 128 block scales, fp32; the FP8
+    linear kernels, activations cast per 128), made once per model and weights. Drafts are
+    proposals only: verification uses the model's head, so outputs stay exact, and a sampled
+    draft's q is the distribution it was drawn from (these logits). Off CUDA a dense Linear
+    of the FP8 values (what the FP8 linear's reference computes). Not the default: on the
+    H200 it saves 0.06 ms of a 0.26 ms head read at 1-8 rows and costs 0.25 ms more at 32
+    (docs/notes/runner.md, "The drafts' lm head")."""
+    if mode not in (None,) + DRAFT_HEADS:
+        raise ValueError(f"deepfuse: spec_draft_head must be None or one of {DRAFT_HEADS}, got {mode!r}")
+    if mode != "fp8":
+        return None
+    why = draft_head_gap(model)
+    if why is not None:
+        raise ValueError(f"deepfuse: spec_draft_head 'fp8': {why}")
+    from deepfuse import ops
+    from deepfuse.models.linear import Linear
+
+    w = model.head.weight
+    key = (w.data_ptr(), w._version, tuple(w.shape))
+    hit = _DRAFT_HEADS.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    head = Linear(model.head.in_features, model.head.out_features)
+    with torch.no_grad():
+        q, s = ops.fp8_block_cast(w.contiguous(), (128, 128), scale_fmt="fp32")
+    if w.is_cuda:
+        head.set_weight(q, s, "fp8")
+    else:  # the reference's arithmetic (x @ the dequantised weight), dequantised once instead of per call
+        head.set_weight(ops.linear.dequant_weight(q, s, "fp8", model.dtype))
+    _DRAFT_HEADS[model] = (key, head)
+    return head
+
+
 @dataclass
 class SpecStats:
     k: int
@@ -45,6 +103,7 @@ class SpecStats:
     accepted: list = field(default_factory=list)     # ... and accepted by the target (real, also when simulating)
     emitted: int = 0                                 # tokens emitted by verify steps
     simulated: bool = False                          # spec_simulate_acc_len set: emitted lengths are simulated
+    draft_head: str = "model"                        # the drafts' lm head: "model" or "fp8" (make_draft_head)
 
     def __post_init__(self):
         self.proposed = [0] * self.k
@@ -60,7 +119,7 @@ class SpecStats:
     def as_dict(self) -> dict:
         acc = [a / p if p else None for a, p in zip(self.accepted, self.proposed)]
         return {"num_speculative_tokens": self.k, "verify_steps": self.verify_rows,
-                "acceptance_per_position": acc, "simulated": self.simulated,
+                "acceptance_per_position": acc, "simulated": self.simulated, "draft_head": self.draft_head,
                 "mean_accepted_length": self.emitted / self.verify_rows if self.verify_rows else None}
 
 
@@ -73,20 +132,27 @@ class SpecDecoder:
         self.k = k
         self.stats = SpecStats(k, simulated=simulate_acc_len is not None)
         self.simulate_acc_len = simulate_acc_len
-        self._sim = random.Random(0)
+        self._sim = 0.0  # spec_simulate_acc_len's running fraction (error diffusion)
         # test hook: (request, proposed drafts) -> drafts to verify instead (greedy requests)
         self.force_drafts: Optional[Callable[[Request, list[int]], list[int]]] = None
 
     def simulated_lengths(self, verified: np.ndarray) -> Optional[np.ndarray]:
-        """Benchmark knob: accepted drafts per chunk drawn around spec_simulate_acc_len - 1
-        (at most the drafts it verifies) -> [B] or None (real acceptance)."""
+        """Benchmark knob: accepted drafts per chunk, int(a) or int(a) + 1 for a =
+        spec_simulate_acc_len - 1 (at most the drafts it verifies) -> [B] or None (real
+        acceptance). The + 1 comes by error diffusion over the chunks in order, so that any
+        run of draws has the mean a (to within one draw): a B = 1 benchmark of 20 steps got
+        3.0 tokens per step at 3.25 from random draws (Random(0)'s first 25 are all >= 0.25)."""
         if self.simulate_acc_len is None:
             return None
         x = self.simulate_acc_len - 1
+        n, f = int(x), x - int(x)
         out = np.zeros(len(verified), np.int64)
         for i, kr in enumerate(verified.tolist()):
             if kr:
-                out[i] = min(kr, int(x) + (self._sim.random() < x - int(x)))
+                self._sim += f
+                extra = self._sim >= 1.0 - 1e-9
+                self._sim -= extra
+                out[i] = min(kr, n + extra)
         return out
 
     @staticmethod

@@ -28,15 +28,18 @@ class Block(nn.Module):
         mhc.add_mix_slots(self, "ffn", cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ropes: dict[str, RopeTable],
-                input_ids: Optional[torch.Tensor], ctx=None, cache=None) -> torch.Tensor:
+                input_ids: Optional[torch.Tensor], ctx=None, cache=None, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Streams x [B, T, hc, d] -> [B, T, hc, d]. Without ctx: the full forward of sequences
         from position 0; with the engine's step context and this layer's cache view: one flat
-        step (B = 1, T = the step's tokens)."""
+        step (B = 1, T = the step's tokens). rows [R] (a flat step): the attention half runs
+        (and writes the cache) for every token, the FFN half for these rows only -> [1, R, hc, d]."""
         h, post, comb = mhc.pre(self, "attn", x, self.cfg)
         h = self.attn_norm(h)
         rope = ropes[self.attn.rope_kind]
         h = self.attn(h, positions, rope) if ctx is None else self.attn.step(h[0], ctx, cache, rope)[None]
         x = mhc.post(h, x, post, comb)
+        if rows is not None:
+            x, input_ids = x[:, rows], None if input_ids is None else input_ids[:, rows]
         h, post, comb = mhc.pre(self, "ffn", x, self.cfg)
         h = self.ffn(self.ffn_norm(h), input_ids)
         return mhc.post(h, x, post, comb)

@@ -98,18 +98,23 @@ class V4Model(ModelBase):
         return (logits, x[0]) if return_streams else logits
 
     @scoped(full=False, cache_arg=1)
-    def mtp_forward_step(self, ctx: StepContext, cache, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0):
+    def mtp_forward_step(self, ctx: StepContext, cache, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0,
+                         head=None, rows_only: bool = False):
         """One flat engine step of MTP layer `layer` (its cache is cache.layer(num layers +
         layer)): streams [N, hc, d] at the ctx's positions (the main model's final streams,
         or this layer's own output streams when drafting a chain) and next_ids [N], the token
         after each position -> (logits [R, vocab] fp32 at ctx.logits_indices, the layer's
-        output streams [N, hc, d])."""
+        output streams [N, hc, d]). head: the lm head for these logits (default the model's;
+        the engine's draft steps may pass a cheaper copy, engine/speculative.py). rows_only:
+        the layer's FFN half only at ctx.logits_indices (every row's attention writes its
+        cache) and the streams of those rows [R, hc, d]: what the draft steps read."""
         mtp = self.mtp[layer]
         emb = self.embed(next_ids).to(self.dtype)
         x = (mtp.e_proj(mtp.enorm(emb)).unsqueeze(-2) + mtp.h_proj(mtp.hnorm(streams)))[None]
-        x = Block.forward(mtp, x, ctx.positions, self.ropes, next_ids[None], ctx, cache.layer(len(self.layers) + layer))
-        h = x[0, ctx.logits_indices]
-        return self.head(mtp.norm(mhc.head(mtp, h, self.cfg))).float(), x[0]
+        x = Block.forward(mtp, x, ctx.positions, self.ropes, next_ids[None], ctx, cache.layer(len(self.layers) + layer),
+                          rows=ctx.logits_indices if rows_only else None)
+        h = x[0] if rows_only else x[0, ctx.logits_indices]
+        return (self.head if head is None else head)(mtp.norm(mhc.head(mtp, h, self.cfg))).float(), x[0]
 
     @scoped(full=True)
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, layer: int = 0):
