@@ -168,7 +168,8 @@ def main(argv=None) -> int:
                     help="with --spec: the MTP drafts' lm head (EngineConfig.spec_draft_head; default: the model's); "
                          "several: one row per head, same model")
     ap.add_argument("--with-plain", action="store_true",
-                    help="with --spec: also run each cell without speculation (same model and session: the ratio's base)")
+                    help="with --spec: also run each cell without speculation (same model and session: the "
+                         "ratio's base)")
     ap.add_argument("--reference", action="store_true",
                     help="every model-graph op through its torch reference (the eager baseline)")
     a = ap.parse_args(argv)

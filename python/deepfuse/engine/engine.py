@@ -66,7 +66,8 @@ class EngineConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"deepfuse: {name} must be None or an int >= 1, got {v!r}")
         if self.spec_draft_head not in (None,) + DRAFT_HEADS:
-            raise ValueError(f"deepfuse: spec_draft_head must be None or one of {DRAFT_HEADS}, got {self.spec_draft_head!r}")
+            raise ValueError(f"deepfuse: spec_draft_head must be None or one of {DRAFT_HEADS}, "
+                             f"got {self.spec_draft_head!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"deepfuse: kv_dtype must be None or one of {KV_DTYPES}, got {self.kv_dtype!r}")
         u = self.gpu_memory_utilization

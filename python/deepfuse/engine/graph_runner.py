@@ -344,8 +344,8 @@ class GraphRunner:
             tokens = target
         row_a = torch.arange(Bk, device=self.device) * T + a
         base = ctx.positions.view(Bk, T)[:, 0] + a
-        lg, x = m.mtp_forward_step(replace(ctx, logits_indices=row_a), cache, streams, tokens.reshape(-1), rows_only=True,
-                                   **self.draft_kw)
+        lg, x = m.mtp_forward_step(replace(ctx, logits_indices=row_a), cache, streams, tokens.reshape(-1),
+                                   rows_only=True, **self.draft_kw)
         drafts = [lg.argmax(-1)]
         for j in range(1, self.k):
             lg, x = self._chain_fn(drafts[-1], base + j, slots, x)

@@ -28,7 +28,8 @@ class Block(nn.Module):
         mhc.add_mix_slots(self, "ffn", cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ropes: dict[str, RopeTable],
-                input_ids: Optional[torch.Tensor], ctx=None, cache=None, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                input_ids: Optional[torch.Tensor], ctx=None, cache=None,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Streams x [B, T, hc, d] -> [B, T, hc, d]. Without ctx: the full forward of sequences
         from position 0; with the engine's step context and this layer's cache view: one flat
         step (B = 1, T = the step's tokens). rows [R] (a flat step): the attention half runs
