@@ -74,3 +74,26 @@ def test_batch_of_requests(hasher):
     for b, (s, ch) in enumerate(zip(seqs, chunks)):
         got = hasher.hashes(torch.tensor([[s[ch.start]]]), torch.from_numpy(hist[b:b + 1]))
         assert torch.equal(got, hasher.hashes(torch.tensor([s]))[ch.start:ch.start + 1])
+
+
+def test_chunk_starts_on_the_device():
+    """models/v41.chunk_starts (the step's per-token chunk start from device tensors only, so a
+    captured graph recomputes it per replay) equals the host's np.repeat(starts, counts) on
+    random flat batches, padded ones too (pad requests with no tokens, or pad tokens of their own)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from deepfuse.models.v41 import chunk_starts
+
+    r = random.Random(11)
+    for _ in range(50):
+        B = r.randint(1, 9)
+        starts = np.array([r.randint(0, 500) for _ in range(B)], np.int64)
+        counts = np.array([r.randint(1, 7) for _ in range(B)], np.int64)
+        pad = r.randint(0, 4)  # pad requests without tokens at the end of the request list
+        req = np.repeat(np.arange(B), counts)
+        pos = np.concatenate([s + np.arange(c) for s, c in zip(starts, counts)])
+        ctx = SimpleNamespace(positions=torch.from_numpy(pos), token_req=torch.from_numpy(req),
+                              req_slots=torch.zeros(B + pad, dtype=torch.int64))
+        assert torch.equal(chunk_starts(ctx), torch.from_numpy(np.repeat(starts, counts)))
