@@ -115,7 +115,8 @@ def test_drafter_equals_release_oracle(model, seed):
     rows = d.context_rows(main_hidden, pos)
     part = d.propose(anchor, a, rows, pos, k=2)
     assert torch.equal(part.tokens, out.tokens[:, :2])
-    torch.testing.assert_close(part.logits, out.logits[:, :2], rtol=0, atol=0)
+    # same math at a different row count: the CPU's matmul blocking (threads) may round differently
+    torch.testing.assert_close(part.logits, out.logits[:, :2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(part.confidence, out.confidence[:, :2], rtol=1e-6, atol=1e-6)
 
 
