@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "common/fp8_utils.cuh"
+
 namespace deepfuse::tma {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -36,6 +38,37 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
+// Item q of an activation cast into e4m3 swizzled [BT x 128] tiles per 128-wide chunk: 8 values
+// (raw: one 16-byte bf16 load or two fp32 loads) of row r = (q / 16) % BT, chunk kc = q / (16 BT),
+// scaled by their row's fp32 scale over the chunk (fp8_group_cast's math: the 16 consecutive
+// lanes of a (chunk, row) reduce the amax together, so every lane calls this). q >= items stores nothing.
+template <int V>
+__device__ __forceinline__ void cast_item8(const uint4 (&raw)[V], int BT, int q, int items, char* sX, float* sXS) {
+  const int kc = q / (BT * 16), r = (q >> 4) % BT, p = q & 15;
+  float v[8];
+  if constexpr (V == 1) {
+    widen8(raw[0], v);
+  } else {
+    const float* f0 = reinterpret_cast<const float*>(&raw[0]);
+    const float* f1 = reinterpret_cast<const float*>(&raw[1]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = f0[i], v[4 + i] = f1[i];
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[i]));
+#pragma unroll
+  for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float s = fp32_scale(amax), mul = 1.0f / s;  // IEEE reciprocal, as the cast
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] *= mul;
+  if (q < items) {
+    *reinterpret_cast<uint2*>(sX + kc * BT * 128 + r * 128 + ((((p >> 1) ^ (r & 7)) << 4) | ((p & 1) << 3))) =
+        to_e4m3x8(v);
+    if (p == 0) sXS[kc * BT + r] = s;
+  }
+}
+
 // Named barrier over `count` threads (a multiple of 32); id 0 is __syncthreads.
 __device__ __forceinline__ void named_bar(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");

@@ -121,31 +121,7 @@ __device__ __forceinline__ void cast_a(const Args& a, int r0, int r1, char* sX, 
         raw[u][h] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * a.K + k) + h) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int q = q0 + u * kConsumers + tid, kc = q / (kBT * 16), r = (q >> 4) % kBT, p = q & 15;
-      float v[8];
-      if constexpr (kBf16) {
-        widen8(raw[u][0], v);
-      } else {
-        const float* f0 = reinterpret_cast<const float*>(&raw[u][0]);
-        const float* f1 = reinterpret_cast<const float*>(&raw[u][1]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = f0[i], v[4 + i] = f1[i];
-      }
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[i]));
-#pragma unroll
-      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      const float s = fp32_scale(amax), mul = 1.0f / s;  // IEEE reciprocal, as the cast
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] *= mul;
-      if (q < items) {
-        *reinterpret_cast<uint2*>(sX + kc * kBT * 128 + r * 128 + ((((p >> 1) ^ (r & 7)) << 4) | ((p & 1) << 3))) =
-            to_e4m3x8(v);
-        if (p == 0) sXS[kc * kBT + r] = s;
-      }
-    }
+    for (int u = 0; u < U; ++u) tma::cast_item8<V>(raw[u], kBT, q0 + u * kConsumers + tid, items, sX, sXS);
   }
 }
 
