@@ -21,7 +21,7 @@ Semantics (the references define them), all in fp32:
 CUDA (csrc/moe): moe_route is one warp per token; moe_experts is a routing plan, an FP8
 activation cast (per token per 128, fp32 scales), GEMM1 (w1 | w3 with the clamped SwiGLU in its
 epilogue), the cast of h, GEMM2 (times the routing weight) and a combine that sums each token's
-slots in order (deterministic). At decode (T <= STREAM_MAX_T, off by default for now) both GEMMs
+slots in order (deterministic). At decode (T <= STREAM_MAX_T = 256) both GEMMs
 run as persistent warp-specialised TMA weight-streaming kernels (csrc/moe/moe_stream.cu) with the
 two casts fused into them (same roundings). FP8 e4m3 MMAs with fp32 accumulation; MXFP4 weights are decoded
 to e4m3 in shared memory. Activations are quantised there (the reference does not): the error
@@ -48,9 +48,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 # moe_experts on CUDA: T up to this (<= 256) runs the streaming decode kernels
 # (csrc/moe/moe_stream.cu; 0: the grouped kernels at every T; tests and benchmarks compare them).
-# Off by default until its final form has passed the GPU tests and compute-sanitizer
-# (docs/notes/moe.md, "The decode path"); 256 turns it on.
-STREAM_MAX_T = 0
+# H200: 1.07-1.09x the grouped kernels for fp8 at T 8-64, 1.13-1.48x for mxfp4 (docs/notes/moe.md,
+# "The decode path").
+STREAM_MAX_T = 256
 # ... and from this T on per weight format (fp8 at T = 1: the grouped kernels measured faster, H200)
 STREAM_MIN_T = {"fp8": 2, "mxfp4": 1}
 
