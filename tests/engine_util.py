@@ -40,3 +40,9 @@ def chi2_ok(counts: np.ndarray, probs: np.ndarray, n: int) -> bool:
     stat = ((counts[m] - exp) ** 2 / exp).sum()
     dof = m.sum() - 1
     return stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
+
+
+def prompts_for(lengths, vocab, seed=1):
+    """Random prompts of the given lengths (token ids below vocab), reproducible by seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -15,17 +15,13 @@ from deepfuse.engine import distributed as D
 from deepfuse.engine.model_runner import ModelRunner
 from deepfuse.models import parallel as P
 from deepfuse.models import tiny as tiny_mod
+from engine_util import prompts_for
 
 # cross the window (16), the CSA ratio (4, index_topk 8) and the HCA ratio (128) of the tiny model
 LENGTHS = [1, 2, 5, 15, 16, 17, 33, 64, 100, 129, 200, 257]
 KW = dict(max_num_seqs=6, max_num_batched_tokens=37, max_total_tokens=400)  # chunked prefill + preemption
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-
-
-def prompts_for(lengths, vocab, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def params_for(n):

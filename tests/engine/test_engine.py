@@ -6,6 +6,7 @@ import torch
 from deepfuse import models
 from deepfuse.engine import LLM, Engine, EngineConfig, RequestOutput, SamplingParams
 from deepfuse.engine.allocator import PageAllocator
+from engine_util import prompts_for  # noqa: F401 (re-exported to the engine tests)
 
 # cross the window (16), the CSA ratio (4, index_topk 8) and the HCA ratio (128) of the tiny model
 LENGTHS = [1, 2, 5, 15, 16, 17, 33, 64, 100, 127, 128, 129, 200, 255, 256, 257, 300, 390]
@@ -14,11 +15,6 @@ LENGTHS = [1, 2, 5, 15, 16, 17, 33, 64, 100, 127, 128, 129, 200, 255, 256, 257, 
 @pytest.fixture(scope="module")
 def tiny():
     return models.tiny.load()
-
-
-def prompts_for(lengths, vocab, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def full_greedy_agrees(model, prompt, tokens) -> bool:

@@ -365,7 +365,7 @@ def flash():
 def _serve(model, **kw):
     from deepfuse.engine import LLM, SamplingParams
 
-    from test_engine import prompts_for
+    from engine_util import prompts_for
 
     prompts = prompts_for([300, 7, 150, 530], model.cfg.vocab_size, seed=3)
     with warnings.catch_warnings(record=True) as w:  # graph capture at start-up included
