@@ -18,10 +18,10 @@ OUT=${OUT:-$root/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 whl=$(ls "${WHL_DIR:-.gpu/whl-defaults}"/deepfuse-*cp312*.whl | head -n1)
-python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/dfsite "$whl" || exit 3
+python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/dfsite "$whl" || exit 3
 sw=${SERVE_WHL:-.gpu/serve-whl}
 if [ -d "$sw" ]; then
-  python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/servesite "$sw"/*.whl || exit 3
+  python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/servesite "$sw"/*.whl || exit 3
 fi
 # the source tree's Python over the wheel's extension
 cp /tmp/dfsite/deepfuse/_C*.so python/deepfuse/
