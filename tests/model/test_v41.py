@@ -99,6 +99,26 @@ def test_config_errors_name_the_field():
         V41Config.from_dict(bad)
 
 
+@pytest.mark.parametrize("field,value,match", [
+    ("kv_source_layer_ids", [2, 8, 14, 99], r"kv_source_layer_ids entry 99 is not a backbone layer id in \[0, 40\)"),
+    ("kv_source_layer_ids", [0, 2, 8, 14, 20], r"kv_source_layer_ids entry 0 names layer 0, which has compress_ratios"),
+    ("kv_source_layer_ids", [8, 2, 14, 20], r"kv_source_layer_ids must be increasing"),
+    ("kv_source_layer_ids", [2, 8, "14", 20], r"kv_source_layer_ids entry '14' is not a backbone layer id"),
+    ("index_source_layer_ids", [2, 8, 14, 20, 24, 28, 32, 36, 43], r"index_source_layer_ids entry 43 is not"),
+    ("index_source_layer_ids", [1, 2, 8, 14, 20, 24], r"index_source_layer_ids entry 1 names layer 1, which has"),
+    ("index_source_layer_ids", [2, 8, 14, 24, 28], r"kv_source_layer_ids .* vs index_source_layer_ids"),
+    ("index_source_layer_ids", [2, 2, 8, 14, 20], r"index_source_layer_ids must be increasing without repeats"),
+    ("candidate_source_layer_id", 50, r"candidate_source_layer_id 50 is not -1 \(none\) or a backbone layer id"),
+    ("candidate_source_layer_id", 21, r"candidate_source_layer_id 21 must be an index source \(index_source_layer_ids"),
+    ("dspark_target_layer_ids", [37, 38, 40], r"dspark_target_layer_ids out of range \[0, 40\)"),
+])
+def test_config_layer_references_name_the_field(field, value, match):
+    bad = json.loads(json.dumps(RELEASE))
+    bad["text_config"][field] = value
+    with pytest.raises(ValueError, match=match):
+        V41Config.from_dict(bad)
+
+
 def test_cache_bytes_per_token():
     from deepfuse.models import random as rnd
 

@@ -102,22 +102,39 @@ class V41Config(V4Config):
         need(all(isinstance(r, int) and r >= 0 for r in self.ratios),
              f"compress_ratios must be ints >= 0: {self.ratios}")
         need(all(r == 0 for r in self.mtp_ratios), f"draft layers must be sliding-window (ratio 0): {self.mtp_ratios}")
+        # layer references: each entry an int naming a compressed backbone layer, in increasing order
+        for fname, ids in (("kv_source_layer_ids", self.kv_source_layers),
+                           ("index_source_layer_ids", self.index_source_layers)):
+            need(isinstance(ids, (list, tuple)), f"{fname} must be a list of layer ids, got {ids!r}")
+            for j in ids:
+                need(isinstance(j, int) and not isinstance(j, bool) and 0 <= j < n,
+                     f"{fname} entry {j!r} is not a backbone layer id in [0, {n})")
+                need(self.ratios[j] > 0, f"{fname} entry {j} names layer {j}, which has compress_ratios[{j}] = 0 "
+                                         "(a sliding-window layer has no compressed KV)")
+            need(list(ids) == sorted(set(ids)), f"{fname} must be increasing without repeats, got {list(ids)}")
+        c = self.candidate_source_layer
+        need(isinstance(c, int) and not isinstance(c, bool) and -1 <= c < n,
+             f"candidate_source_layer_id {c!r} is not -1 (none) or a backbone layer id in [0, {n})")
         need(set(self.kv_source_layers) <= set(self.index_source_layers),
-             f"every kv source must be an index source (it produces the indexer keys): {self.kv_source_layers} vs "
-             f"{self.index_source_layers}")
-        for j in self.index_source_layers:
-            need(0 <= j < n and self.ratios[j] > 0, f"source layer {j} must be a compressed backbone layer")
+             f"every kv source must be an index source (it produces the indexer keys): kv_source_layer_ids "
+             f"{self.kv_source_layers} vs index_source_layer_ids {self.index_source_layers}")
         for i, r in enumerate(self.ratios):
             if not r:
                 continue
             kv, ix = self.kv_source_for(i), self.index_source_for(i)
-            need(kv is not None, f"layer {i} (ratio {r}) has no kv source at or before it")
-            need(self.ratios[kv] == r, f"layer {i} (ratio {r}) reads kv source layer {kv} of ratio {self.ratios[kv]}")
-            need(ix is not None and self.kv_source_for(ix) == kv,
-                 f"layer {i}: its index source {ix} must read the same kv source ({kv})")
+            need(kv is not None, f"layer {i} (ratio {r}) has no kv source at or before it (kv_source_layer_ids "
+                                 f"{list(self.kv_source_layers)})")
+            need(self.ratios[kv] == r, f"layer {i} (ratio {r}) reads kv source layer {kv} of ratio {self.ratios[kv]} "
+                                       f"(kv_source_layer_ids {list(self.kv_source_layers)})")
+            need(ix is not None, f"layer {i} (ratio {r}) has no index source at or before it (index_source_layer_ids "
+                                 f"{list(self.index_source_layers)})")
+            need(self.kv_source_for(ix) == kv,
+                 f"layer {i}: its index source {ix} (index_source_layer_ids) must read the same kv source ({kv}; "
+                 f"kv_source_layer_ids)")
         if self.candidate_source_layer >= 0:
             need(self.candidate_source_layer in self.index_source_layers,
-                 f"candidate_source_layer_id {self.candidate_source_layer} must be an index source")
+                 f"candidate_source_layer_id {self.candidate_source_layer} must be an index source "
+                 f"(index_source_layer_ids {list(self.index_source_layers)})")
             need(self.candidate_topk_blocks > 0 and self.candidate_block_size > 0,
                  "candidate_topk_blocks and candidate_block_size must be > 0")
         L = len(self.engram_layer_ids)
@@ -134,7 +151,7 @@ class V41Config(V4Config):
         need(self.engram_placement in ("device", "host"),
              f"engram_placement must be 'device' or 'host', got {self.engram_placement!r}")
         need(all(0 <= i < n for i in self.dspark_target_layer_ids),
-             f"dspark_target_layer_ids out of range: {self.dspark_target_layer_ids}")
+             f"dspark_target_layer_ids out of range [0, {n}): {self.dspark_target_layer_ids}")
         return self
 
     # ------------------------------------------------------------------ I/O
