@@ -2,6 +2,7 @@
 
 python -m microbench.bench_moe --out DIR [--quick] [--profile] [--models flash pro] [--T 1 8 ..]
                                 [--fmts fp8 mxfp4] [--no-baselines] [--graph] [--stream-max-t N]
+                                [--prefill-min-t N]
 
 Per (model, weight format, T tokens): time of route + experts (`us`, the router's fp32 logits
 GEMM included), the touched expert weights (routed experts the routing hits + the shared
@@ -9,7 +10,8 @@ expert) read per second and as a fraction of the copy ceiling measured in this r
 (`frac_copy`; `floor_us` = touched bytes / ceiling), TFLOP/s (6 I d per token-expert pair) and
 the fraction of the FP8 dense peak measured in this run (torch._scaled_mm 8192^3), at T <=
 ops.moe.STREAM_MAX_T the grouped kernels on the same inputs (`grouped_us`, `x_grouped` > 1: the
-streaming decode path faster), with --graph the step replayed in a CUDA graph, and the
+streaming decode path faster; likewise for fp8 at T >= ops.moe.PREFILL_MIN_T > 0 the prefill
+kernels against the grouped kernels), with --graph the step replayed in a CUDA graph, and the
 speedups over the pipelines a user would write: torch._grouped_mm in bf16 and
 torch._scaled_grouped_mm in fp8 (rowwise scales), each with argsort dispatch, clamped SwiGLU,
 index_add combine and the shared expert (V4-Flash only: bf16 Pro weights are 50 GB).
@@ -152,6 +154,12 @@ def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True, graph
                     t_grouped = H.time_fn(step, reps=reps)
                 finally:
                     M.STREAM_MAX_T = keep
+            if fmt == "fp8" and T > 256 and 0 < M.PREFILL_MIN_T <= T:  # prefill path vs grouped kernels
+                keep, M.PREFILL_MIN_T = M.PREFILL_MIN_T, 0
+                try:
+                    t_grouped = H.time_fn(step, reps=reps)
+                finally:
+                    M.PREFILL_MIN_T = keep
             wts, ids = ops.moe_route(F.linear(x.float(), gate), k, bias=bias, route_scale=1.5)
             hit = int(torch.unique(ids).numel())
             touched = hit * expert_bytes(I, d, fmt) + expert_bytes(I, d, "fp8") + E * d * 4
@@ -171,7 +179,7 @@ def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True, graph
                 r[f"x_{bn}"] = tb.median_us / t.median_us
             rows.append(r)
             H.print_table([r], COLS)
-            if profile and T in (1, 64, 4096):
+            if profile and T in (1, 64, 512, 4096):
                 from torch.profiler import ProfilerActivity, profile as prof
 
                 for smt in ((M.STREAM_MAX_T, 0) if M.STREAM_MIN_T.get(fmt, 1) <= T <= M.STREAM_MAX_T
@@ -188,7 +196,7 @@ def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True, graph
                             torch.cuda.synchronize()
                     finally:
                         M.STREAM_MAX_T = keep
-                    print(f"## {name} {fmt} T={T} stream_max_t={smt}: per-kernel CUDA time over 5 calls (L2 flushed)")
+                    print(f"## {name} {fmt} T={T} stream_max_t={smt} prefill_min_t={M.PREFILL_MIN_T}: per-kernel CUDA time over 5 calls (L2 flushed)")
                     print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=14))
         del ex
         torch.cuda.empty_cache()
@@ -211,11 +219,16 @@ def main(argv=None):
         ap.add_argument("--graph", action="store_true", help="also time T <= 128 replayed in a CUDA graph")
         ap.add_argument("--stream-max-t", type=int, default=None,
                         help="ops.moe.STREAM_MAX_T for the run (the decode path's range; 0: grouped kernels)")
+        ap.add_argument("--prefill-min-t", type=int, default=None,
+                        help="ops.moe.PREFILL_MIN_T for the run (fp8 prefill kernels from this T; 0: grouped kernels)")
 
     args, ctx = H.start(argv, extra=extra)
     if args.stream_max_t is not None:
         M.STREAM_MAX_T = args.stream_max_t
     ctx.extra["stream_max_t"] = M.STREAM_MAX_T
+    if args.prefill_min_t is not None:
+        M.PREFILL_MIN_T = args.prefill_min_t
+    ctx.extra["prefill_min_t"] = M.PREFILL_MIN_T
     peak = fp8_peak_tflops()
     ctx.extra["fp8_peak_tflops"] = peak
     print(f"# FP8 dense peak (torch._scaled_mm 8192^3): {peak:.0f} TFLOP/s")

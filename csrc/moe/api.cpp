@@ -102,9 +102,10 @@ void moe_experts(const TensorArg& x, const TensorArg& ids, const TensorArg& weig
                  const TensorArg& w2_scale, const TensorArg& out, const TensorArg& workspace, double limit,
                  const TensorArg& shared_w1, const TensorArg& shared_w1_scale, const TensorArg& shared_w3,
                  const TensorArg& shared_w3_scale, const TensorArg& shared_w2, const TensorArg& shared_w2_scale,
-                 int64_t stream_max_t) {
+                 int64_t stream_max_t, int64_t prefill_min_t) {
   const char* op = "moe_experts";
   if (stream_max_t < 0) arg_error(op, "stream_max_t", "must be >= 0 (got " + std::to_string(stream_max_t) + ")");
+  if (prefill_min_t < 0) arg_error(op, "prefill_min_t", "must be >= 0 (got " + std::to_string(prefill_min_t) + ")");
   Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).dim(2).contiguous().aligned(16);
   const int64_t T = x.size(0), d = x.size(1);
   if (d % 32 || d > kMaxDim) Check(op, "x", x).fail("must have d % 32 == 0 and d <= 8192 (the kernels' limits)");
@@ -125,6 +126,7 @@ void moe_experts(const TensorArg& x, const TensorArg& ids, const TensorArg& weig
   p.T = static_cast<int>(T), p.d = static_cast<int>(d), p.inter = static_cast<int>(inter);
   p.E = static_cast<int>(E), p.k = static_cast<int>(k), p.fmt = fmt, p.limit = static_cast<float>(limit);
   p.stream_max_t = static_cast<int>(std::min<int64_t>(stream_max_t, 256));
+  p.prefill_min_t = static_cast<int>(std::min<int64_t>(prefill_min_t, 1LL << 30));
   p.w1 = expert_weight(op, "w1", w1, "w1_scale", w1_scale, fmt, E, inter, d);
   p.w3 = expert_weight(op, "w3", w3, "w3_scale", w3_scale, fmt, E, inter, d);
   p.w2 = expert_weight(op, "w2", w2, "w2_scale", w2_scale, fmt, E, d, inter);
@@ -174,9 +176,10 @@ void register_moe(py::module_& m) {
         py::arg("out"), py::arg("workspace"), py::arg("limit"), py::arg("shared_w1") = py::none(),
         py::arg("shared_w1_scale") = py::none(), py::arg("shared_w3") = py::none(),
         py::arg("shared_w3_scale") = py::none(), py::arg("shared_w2") = py::none(),
-        py::arg("shared_w2_scale") = py::none(), py::arg("stream_max_t") = 0,
+        py::arg("shared_w2_scale") = py::none(), py::arg("stream_max_t") = 0, py::arg("prefill_min_t") = 0,
         "routed fp8 / mxfp4 experts (+ an fp8 shared expert) of x [T, d] -> out [T, d]; T <= stream_max_t "
-        "(<= 256): the streaming decode kernels (0: the grouped kernels)");
+        "(<= 256): the streaming decode kernels (0: the grouped kernels); fp8, T > 256 and T >= prefill_min_t "
+        "(> 0): the prefill kernels");
 }
 
 }  // namespace deepfuse

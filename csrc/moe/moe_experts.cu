@@ -16,6 +16,7 @@
 #include "cast/cast.h"
 #include "common/cuda_utils.h"
 #include "moe/moe.h"
+#include "moe/moe_prefill.h"
 #include "moe/moe_stream.h"
 #include "gemm/grouped_gemm_sm90.cuh"
 
@@ -193,6 +194,8 @@ struct Workspace {
   uint8_t *xq, *hq;
   float *xs, *hs, *Y;
   __nv_bfloat16* h;
+  uint8_t* xp;          // prefill path: x in position order, scales transposed (moe_prefill.cu)
+  float *xsT, *hsT;
   int64_t bytes;
 };
 
@@ -226,6 +229,14 @@ Workspace carve(const MoeProblem& p, void* base) {
   w.hq = reinterpret_cast<uint8_t*>(take(P * p.inter));
   w.hs = reinterpret_cast<float*>(take(4 * P * ceil_div(p.inter, 128)));
   w.Y = reinterpret_cast<float*>(take(4 * P * p.d));
+  if (BM == kPrefillBT && p.d % 128 == 0 && p.inter % 128 == 0) {  // (moe_workspace_bytes knows no format)
+    const int64_t Pp = moe_prefill_pitch(P);
+    w.xp = reinterpret_cast<uint8_t*>(take(P * p.d));
+    w.xsT = reinterpret_cast<float*>(take(4 * Pp * ceil_div(p.d, 128)));
+    w.hsT = reinterpret_cast<float*>(take(4 * Pp * ceil_div(p.inter, 128)));
+  } else {
+    w.xp = nullptr, w.xsT = w.hsT = nullptr;
+  }
   w.bytes = off;
   return w;
 }
@@ -301,6 +312,11 @@ void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* id
   const MoeStreamIO io{x, x_bf16, w.rows, w.tasks, w.ntasks, U, w.h, w.Y, w.wrow};
   if (BM == kDecodeBT && p.T <= p.stream_max_t && moe_stream_gemms(p, io, stream)) {
     // the decode path: both casts fused into the streaming GEMMs
+  } else if (BM == kPrefillBT && p.prefill_min_t > 0 && p.T >= p.prefill_min_t && w.xp != nullptr &&
+             moe_prefill_gemms(p, MoePrefillIO{x, x_bf16, w.rows, w.tasks, w.ntasks, U, P, w.xp, w.xsT, w.h, w.hq,
+                                               w.hsT, w.Y, w.wrow},
+                               stream)) {
+    // the prefill path: tokens on wgmma's M side, TMA producer + two consumer warpgroups
   } else if (BM == kDecodeBT) {
     fp8_group_cast(x, x_bf16, w.xq, w.xs, ScaleKind::kFp32, p.T, p.d, p.d, 128, 0, stream);
     run_gemms<DecodeCfg>(p, w, U, P, stream);

@@ -252,10 +252,92 @@ def test_moe_experts_stream_many_tasks(fmt, T, E, k, kind):
     assert torch.equal(out, run_kernel(x, ids, w, ex, fmt, 6.0, sh))
 
 
+# ----------------------------------------------------------------------------- prefill path
+@pytest.fixture
+def prefill(monkeypatch):
+    """The fp8 prefill kernels (moe_prefill.cu: tokens on wgmma's M side, TMA producer warp) from
+    T = 257 on."""
+    monkeypatch.setattr(M, "PREFILL_MIN_T", 257)
+
+
+def poison_allocator(nbytes=1 << 30):
+    """Leave NaN in memory the caching allocator will hand out next (the op's output, workspace)."""
+    t = torch.full((nbytes // 4,), float("nan"), device=DEV)
+    del t
+
+
+PREFILL_CASES = [  # T, d, I, E, k, kind, shared, x dtype
+    (257, 256, 128, 8, 2, "random", False, torch.bfloat16),
+    (333, 512, 256, 16, 4, "random", True, torch.bfloat16),
+    (512, 256, 256, 8, 3, "one", True, torch.bfloat16),       # one hot expert: many tasks of one expert
+    (777, 384, 128, 32, 4, "few", False, torch.bfloat16),     # most experts empty
+    (1000, 256, 128, 8, 3, "dropped", True, torch.bfloat16),  # ids -1 / >= E
+    (4099, 256, 128, 16, 6, "one", False, torch.bfloat16),    # large plan (several launches), 193 tasks
+    (301, 256, 384, 8, 2, "random", True, torch.float32),     # fp32 activations, K = 3 chunks
+]
+
+
+@pytest.mark.parametrize("T,d,I,E,k,kind,shared,dt", PREFILL_CASES)
+def test_moe_experts_prefill_matches_reference(T, d, I, E, k, kind, shared, dt, prefill):
+    g = torch.Generator(device=DEV).manual_seed(T * 13 + E)
+    ex, sh = make_experts(E, I, d, "fp8", seed=T + 1, shared=shared)
+    x = torch.randn(T, d, device=DEV, generator=g).to(dt)
+    ids, w = routing(T, E, k, kind, g)
+    poison_allocator()
+    out = run_kernel(x, ids, w, ex, "fp8", 6.0, sh)
+    assert out.dtype == dt
+    ref = M.moe_experts_ref(x.float(), ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), "fp8", 6.0, sh)
+    check(out, emulated(x, ids, w, ex, "fp8", 6.0, sh), ref)
+    assert torch.equal(out, run_kernel(x, ids, w, ex, "fp8", 6.0, sh))  # bitwise reproducible
+
+
+@pytest.mark.parametrize("T", [512, 4096])
+def test_moe_experts_prefill_v4_flash_shape(T, prefill):
+    """V4-Flash (256 experts, top-6, d 4096, I 2048, fp8 shared expert), every element checked."""
+    E, d, I, k = 256, 4096, 2048, 6
+    g = torch.Generator(device=DEV).manual_seed(T + 5)
+    ex, sh = make_experts(E, I, d, "fp8", seed=1, shared=True)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    ids, w = routing(T, E, k, "random", g)
+    poison_allocator()
+    out = run_kernel(x, ids, w, ex, "fp8", 10.0, sh)
+    ref = M.moe_experts_ref(x.float(), ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), "fp8", 10.0, sh)
+    rel = check(out, emulated(x, ids, w, ex, "fp8", 10.0, sh), ref)
+    print(f"V4-Flash fp8 prefill T={T}: relative error vs exact reference {rel:.4f}")
+
+
+def test_moe_experts_prefill_graph_capturable(prefill):
+    T, d, I, E, k = 600, 512, 256, 32, 6
+    g = torch.Generator(device=DEV).manual_seed(9)
+    ex, sh = make_experts(E, I, d, "fp8", seed=9, shared=True)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    ids, w = routing(T, E, k, "random", g)
+    run_kernel(x, ids, w, ex, "fp8", 5.0, sh)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_kernel(x, ids, w, ex, "fp8", 5.0, sh)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run_kernel(x, ids, w, ex, "fp8", 5.0, sh)
+    x2 = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    ids2, w2 = routing(T, E, k, "few", g)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.testing.assert_close(y, run_kernel(x2, ids2, w2, ex, "fp8", 5.0, sh), rtol=0, atol=0)
+    ref = M.moe_experts_ref(x2.float(), ids2, w2, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), "fp8", 5.0, sh)
+    check(y, emulated(x2, ids2, w2, ex, "fp8", 5.0, sh), ref)
+
+
 @pytest.mark.sanitize
 def test_moe_sanitize_small():
     """Small cases of every kernel path for compute-sanitizer (tools/gpu/gpu_run.sh)."""
-    keep = M.STREAM_MAX_T, M.STREAM_MIN_T
+    keep = M.STREAM_MAX_T, M.STREAM_MIN_T, M.PREFILL_MIN_T
     M.STREAM_MIN_T = {}
     for fmt, spread, T in (("fp8", 0, 1), ("mxfp4", 0, 2), ("mxfp4", 40, 2), ("fp8", 0, 300), ("mxfp4", 0, 300),
                            ("fp8", 0, 40), ("mxfp4", 40, 40)):
@@ -267,7 +349,15 @@ def test_moe_sanitize_small():
             ids, w = routing(T, 4, 2, "dropped", g)
             out = run_kernel(x, ids, w, ex, fmt, 6.0, sh)
             assert torch.isfinite(out).all()
-    M.STREAM_MAX_T, M.STREAM_MIN_T = keep
+    M.STREAM_MAX_T, M.STREAM_MIN_T = keep[:2]
+    M.PREFILL_MIN_T = 257  # the fp8 prefill kernels: one hot expert, dropped ids, fp32 x
+    for T, kind, dt in ((300, "dropped", torch.bfloat16), (520, "one", torch.bfloat16), (290, "few", torch.float32)):
+        g = torch.Generator(device=DEV).manual_seed(T)
+        ex, sh = make_experts(4, 256, 256, "fp8", seed=T, shared=True)
+        x = torch.randn(T, 256, device=DEV, generator=g).to(dt)
+        ids, w = routing(T, 4, 2, kind, g)
+        assert torch.isfinite(run_kernel(x, ids, w, ex, "fp8", 6.0, sh)).all()
+    M.PREFILL_MIN_T = keep[2]
     logits = torch.randn(5, 64, device=DEV)
     ops.moe_route(logits, 6, bias=torch.randn(64, device=DEV))
     torch.cuda.synchronize()

@@ -141,6 +141,7 @@ def _launch_args(T=4, d=256, I=128, E=3, k=2, fmt="fp8", shared=False, device="c
     (dict(workspace=torch.empty(1 << 20)), r"argument 'workspace' must be uint8"),
     (dict(shared_w3=torch.zeros(128, 256, dtype=FP8)), r"argument 'shared_w3' must be None without shared_w1"),
     (dict(stream_max_t=-1), r"argument 'stream_max_t' must be >= 0"),
+    (dict(prefill_min_t=-1), r"argument 'prefill_min_t' must be >= 0"),
 ])
 def test_moe_experts_launcher_rejects(change, match):
     sizes = {k: v for k, v in change.items() if k in ("shared", "fmt")}

@@ -53,6 +53,10 @@ SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 STREAM_MAX_T = 256
 # ... and from this T on per weight format (fp8 at T = 1: the grouped kernels measured faster, H200)
 STREAM_MIN_T = {"fp8": 2, "mxfp4": 1}
+# fp8 moe_experts on CUDA from this T on (> 256; 0: never) runs the prefill kernels (csrc/moe/moe_prefill.cu:
+# tokens on wgmma's M side, TMA producer warp + two consumer warpgroups, persistent tiles); off until
+# validated on the GPU.
+PREFILL_MIN_T = 0
 
 
 def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -244,6 +248,7 @@ def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3, sh_w2, 
                       w1_scale=s1.contiguous(), w3=w3.contiguous(), w3_scale=s3.contiguous(), w2=w2.contiguous(),
                       w2_scale=s2.contiguous(), out=out, workspace=work, limit=float(limit),
                       stream_max_t=int(STREAM_MAX_T) if T >= STREAM_MIN_T.get(fmt, 1) else 0,
+                      prefill_min_t=int(PREFILL_MIN_T),
                       **{n: t.contiguous() for n, t in sh.items()})
     if shared is not None and not fused:
         out = (out.float() + shared_expert_ref(x, shared, limit)).to(x.dtype)

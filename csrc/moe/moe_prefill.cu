@@ -1,0 +1,353 @@
+// Prefill-path expert GEMMs of moe_experts (T > 256, tasks of <= 128 positions; semantics:
+// deepfuse/ops/moe.py; the plan, combine and the other paths: moe_experts.cu, moe_stream.cu).
+//
+// Tokens are wgmma's M side (a tile is one task's 128 positions, two warpgroups of 64 rows), the
+// weights its N side (128 rows per tile: GEMM1 64 w1 rows + the 64 w3 rows of the same columns,
+// GEMM2 128 w2 rows), so every weight tile is read once per task and each MMA is m64n128k32.
+// - The activations are laid out in position order first (gather_cast_kernel: x through the
+//   plan's token rows, or h as is -> e4m3 rows + fp32 scales per 128, fp8_group_cast's math, bit
+//   identical; the scales transposed [K / 128, P] so that a tile's 128 row scales of one chunk are
+//   one 512-byte TMA box). A task's rows are then a contiguous box of 128 rows: rows past the
+//   task's end (the next expert's, or zero-filled past the buffer) are computed and not stored.
+// - Persistent CTAs (one per SM, 288 threads) walk the tiles (task, n-tile) with a stride of the
+//   grid, n-tile fastest (the CTAs in flight share a task's activations in L2; an expert's weights
+//   are read once per task).
+// - Producer warp: per 128-K chunk one stage = A box (16 KB) + B boxes (16 KB) + the 128 row
+//   scales (512 B) by TMA, the chunk's weight block scale(s) (prefetched per tile into the warp's
+//   registers) stored next to them; full / empty mbarriers; it runs ahead across tiles.
+// - Consumers: four m64n128k32 wgmmas per chunk into a partial accumulator, waited, the stage
+//   released, then promoted with (row scale x weight block scale) into the fp32 accumulator
+//   (DeepGEMM's promotion); the two warpgroups interleave (one promotes while the other's MMAs run).
+// - Epilogues: GEMM1 the clamped SwiGLU (gate and up of a column sit in the same thread), h as
+//   bf16; GEMM2 times the routing weight, fp32 rows per position (then the combine kernel).
+// K is walked in order from chunk 0 for every tile: a row's result depends on its own inputs only
+// (bitwise reproducible, independent of the plan's placement).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/arch.h"
+#include "common/cuda_utils.h"
+#include "common/fp8_utils.cuh"
+#include "gemm/grouped_gemm_sm90.cuh"
+#include "gemm/tma_sm90.cuh"
+#include "moe/moe_prefill.h"
+
+namespace deepfuse {
+namespace {
+
+constexpr int kBM = 128;                  // positions per tile
+constexpr int kBN = 128;                  // weight rows per tile
+constexpr int kConsumers = 256;           // two warpgroups
+constexpr int kThreads = kConsumers + 32; // + the producer warp
+constexpr int kStageA = kBM * 128, kStageB = kBN * 128, kStage = kStageA + kStageB;
+constexpr int kStages = 6;
+constexpr int kMaxKB = 128;               // K <= 16384 (the producer's scale registers)
+
+struct Maps {
+  CUtensorMap a, as, w0, w1, s0, s1;  // A [P, K] e4m3; A scales [KB, Pp] fp32; routed w1 | w3 or w2; shared
+};
+
+struct Args {
+  int K, N, E, KB;        // N: GEMM1 inter (h columns), GEMM2 d
+  const void* scale0;     // routed block scales of w0 / w1: [E, ceil(Nw/128), KB] (fp32 / UE8M0)
+  const void* scale1;
+  bool scale_u8;
+  const void* sscale0;    // shared expert's: [ceil(Nw/128), KB]
+  const void* sscale1;
+  bool sscale_u8;
+  int NBw;                // 128-row scale blocks of one expert's weight (ceil(Nw / 128))
+  const int* tasks;
+  const int* ntasks;
+  int ntiles;             // n-tiles per task
+  void* out;              // GEMM1: h bf16 [P, N]; GEMM2: Y fp32 [P, N]
+  const float* row_weight;
+  float limit;
+};
+
+// shared memory (from a 1024-aligned base): ring, row scales, weight scales, barriers
+constexpr int kOffAS = kStages * kStage;
+constexpr int kOffWS = kOffAS + kStages * kBM * 4;
+constexpr int kOffBar = kOffWS + kStages * 2 * 4;
+constexpr int kSmem = kOffBar + 2 * kStages * 8 + 1024;
+
+// ---------------------------------------------------------------------------------------------
+// src rows (through rows[], or the position itself) -> q [P, K] e4m3 + sT [K / 128, Pp] fp32 for
+// the plan's valid positions. One CTA of 256 threads per position; 16 lanes per 128-group.
+template <typename AT>
+__global__ void __launch_bounds__(256) gather_cast_kernel(const AT* __restrict__ src, const int* __restrict__ rows,
+                                                          const int* __restrict__ tasks, const int* __restrict__ ntasks,
+                                                          int K, int64_t Pp, uint8_t* __restrict__ q,
+                                                          float* __restrict__ sT) {
+  const int nt = *ntasks;
+  const int valid = nt > 0 ? tasks[(nt - 1) * 3 + 2] : 0;
+  const int p = blockIdx.x;
+  if (p >= valid) return;
+  const int64_t row = rows != nullptr ? rows[p] : p;
+  const AT* s = src + row * K;
+  uint8_t* o = q + static_cast<int64_t>(p) * K;
+  for (int base = 0; base < K; base += 256 * 8) {
+    const int k0 = base + threadIdx.x * 8;
+    const bool ok = k0 < K;
+    float v[8];
+    if (ok) {
+      load8(s + k0, v);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[i]));
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float sc = fp32_scale(amax), mul = 1.0f / sc;  // IEEE reciprocal, as the cast
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] *= mul;
+    if (ok) {
+      *reinterpret_cast<uint2*>(o + k0) = to_e4m3x8(v);
+      if ((threadIdx.x & 15) == 0) sT[static_cast<int64_t>(k0 / 128) * Pp + p] = sc;
+    }
+  }
+}
+
+__device__ __forceinline__ float sel4(const float (&r)[kMaxKB / 32], int j) {
+  float v = r[0];
+#pragma unroll
+  for (int i = 1; i < kMaxKB / 32; ++i) v = j == i ? r[i] : v;
+  return v;
+}
+
+template <bool SWIGLU>
+__global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, const __grid_constant__ Maps maps) {
+#if DEEPFUSE_SM90A_DEVICE
+  extern __shared__ char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* sAS = reinterpret_cast<float*>(base + kOffAS);
+  float* sWS = reinterpret_cast<float*>(base + kOffWS);
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + kOffBar);
+  uint64_t* empty = full + kStages;
+  const int tid = threadIdx.x;
+  const int total = *a.ntasks * a.ntiles;
+  if (static_cast<int>(blockIdx.x) >= total) return;  // the whole CTA
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbar_init(tma::smem_u32(full + s), 1);
+      tma::mbar_init(tma::smem_u32(empty + s), 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int KB = a.KB;
+
+  if (tid >= kConsumers) {  // producer warp
+    const int lane = tid & 31;
+    int i = 0;
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+      const int task = tile / a.ntiles, t = tile % a.ntiles;
+      const int e = a.tasks[task * 3], r0 = a.tasks[task * 3 + 1];
+      const bool sh = e == a.E;
+      // the tile's weight block scales over K, lane l holding chunks l, l + 32, ...
+      const int nb = SWIGLU ? (t * 64) / 128 : t;
+      const void* sp0 = sh ? a.sscale0 : a.scale0;
+      const void* sp1 = sh ? a.sscale1 : a.scale1;
+      const bool u8 = sh ? a.sscale_u8 : a.scale_u8;
+      const int64_t soff = (static_cast<int64_t>(sh ? 0 : e) * a.NBw + nb) * KB;
+      float r0s[kMaxKB / 32], r1s[kMaxKB / 32];
+#pragma unroll
+      for (int j = 0; j < kMaxKB / 32; ++j) {
+        const int kb = lane + 32 * j;
+        r0s[j] = r1s[j] = 0.0f;
+        if (kb < KB) {
+          r0s[j] = u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(sp0)[soff + kb])
+                      : static_cast<const float*>(sp0)[soff + kb];
+          if (SWIGLU)
+            r1s[j] = u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(sp1)[soff + kb])
+                        : static_cast<const float*>(sp1)[soff + kb];
+        }
+      }
+      const CUtensorMap* m0 = sh ? &maps.s0 : &maps.w0;
+      const CUtensorMap* m1 = sh ? &maps.s1 : &maps.w1;
+      const int rb = sh ? 0 : e * a.N;  // weight rows per expert: GEMM1 inter, GEMM2 d
+      for (int kb = 0; kb < KB; ++kb, ++i) {
+        const float w0 = __shfl_sync(0xffffffffu, sel4(r0s, kb >> 5), kb & 31);
+        const float w1 = SWIGLU ? __shfl_sync(0xffffffffu, sel4(r1s, kb >> 5), kb & 31) : w0;
+        if (lane == 0) {
+          const int st = i % kStages;
+          if (i >= kStages) tma::mbar_wait(tma::smem_u32(empty + st), ((i / kStages) - 1) & 1);
+          sWS[st * 2] = w0;
+          sWS[st * 2 + 1] = w1;
+          const uint32_t bar = tma::smem_u32(full + st);
+          const uint32_t dA = tma::smem_u32(base + st * kStage), dB = dA + kStageA;
+          tma::mbar_expect_tx(bar, kStage + kBM * 4);
+          tma::tma_load_2d(dA, &maps.a, kb * 128, r0, bar);
+          tma::tma_load_2d(tma::smem_u32(sAS + st * kBM), &maps.as, r0, kb, bar);
+          if (SWIGLU) {
+            tma::tma_load_2d(dB, m0, kb * 128, rb + t * 64, bar);
+            tma::tma_load_2d(dB + kStageB / 2, m1, kb * 128, rb + t * 64, bar);
+          } else {
+            tma::tma_load_2d(dB, m0, kb * 128, rb + t * 128, bar);
+          }
+        }
+        __syncwarp();
+      }
+    }
+    return;
+  }
+
+  // consumers: warpgroup wg owns rows [64 wg, 64 wg + 64) of every tile
+  const int wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int m0r = wg * 64 + wq * 16 + g;  // this thread's tile rows m0r, m0r + 8
+  int i = 0;
+  float acc[64];
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const int task = tile / a.ntiles, t = tile % a.ntiles;
+    const int r0 = a.tasks[task * 3 + 1], r1 = a.tasks[task * 3 + 2];
+#pragma unroll
+    for (int c = 0; c < 64; ++c) acc[c] = 0.0f;
+    for (int kb = 0; kb < KB; ++kb, ++i) {
+      const int st = i % kStages;
+      tma::mbar_wait(tma::smem_u32(full + st), (i / kStages) & 1);
+      const uint32_t aa = tma::smem_u32(base + st * kStage) + wg * 64 * 128;
+      const uint32_t ba = tma::smem_u32(base + st * kStage + kStageA);
+      float part[64];
+      gemm::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        gemm::wgmma_m64n128k32(part, gemm::smem_desc(aa + k * 32), gemm::smem_desc(ba + k * 32), k);
+      gemm::wgmma_commit();
+      const float sa0 = sAS[st * kBM + m0r], sa1 = sAS[st * kBM + m0r + 8];
+      const float w0 = sWS[st * 2], w1 = sWS[st * 2 + 1];
+      gemm::wgmma_wait0();
+      gemm::fence_regs(part);
+      __syncwarp();
+      if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
+      const float s00 = sa0 * w0, s10 = sa1 * w0, s01 = sa0 * w1, s11 = sa1 * w1;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const bool up = SWIGLU && j >= 8;
+        acc[4 * j + 0] += part[4 * j + 0] * (up ? s01 : s00);
+        acc[4 * j + 1] += part[4 * j + 1] * (up ? s01 : s00);
+        acc[4 * j + 2] += part[4 * j + 2] * (up ? s11 : s10);
+        acc[4 * j + 3] += part[4 * j + 3] * (up ? s11 : s10);
+      }
+    }
+    // epilogue: rows m0r (acc[4 j + b]) and m0r + 8 (acc[4 j + 2 + b]), columns 8 j + 2 t4 + b
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int p = r0 + m0r + 8 * hr;
+      if (p >= r1) continue;
+      if (SWIGLU) {
+        __nv_bfloat16* h = static_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(p) * a.N + t * 64 + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float v0 = gemm::swiglu_f(acc[4 * j + 2 * hr], acc[4 * (j + 8) + 2 * hr], a.limit);
+          const float v1 = gemm::swiglu_f(acc[4 * j + 2 * hr + 1], acc[4 * (j + 8) + 2 * hr + 1], a.limit);
+          *reinterpret_cast<__nv_bfloat162*>(h + 8 * j) = __floats2bfloat162_rn(v0, v1);
+        }
+      } else {
+        const float w = a.row_weight[p];
+        float* y = static_cast<float*>(a.out) + static_cast<int64_t>(p) * a.N + t * 128 + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<float2*>(y + 8 * j) = make_float2(acc[4 * j + 2 * hr] * w, acc[4 * j + 2 * hr + 1] * w);
+      }
+    }
+  }
+#else
+  __trap();  // wgmma / TMA: sm_90a only (launchers call require_sm90a)
+#endif
+}
+
+template <bool SWIGLU>
+void launch(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
+  auto kern = moe_prefill_kernel<SWIGLU>;
+  static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  check_cuda(attr, "cudaFuncSetAttribute(moe_prefill_kernel)");
+  kern<<<grid, kThreads, kSmem, stream>>>(a, maps);
+  check_launch("moe_prefill_kernel");
+}
+
+bool encode_f32_2d(CUtensorMap& map, const void* base, int64_t rows, int64_t cols, int64_t pitch, int box_cols) {
+  const auto encode = tma::encode_tiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch * 4)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), 1};
+  const cuuint32_t es[2] = {1, 1};
+  return encode(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<void*>(base), dims, strides, box, es,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Maps of one GEMM: A (positions x K e4m3, its transposed scales), routed and shared weights.
+bool encode_maps(const MoeProblem& p, const uint8_t* A, const float* AsT, int64_t P, int K, const ExpertWeight& w0,
+                 const ExpertWeight& w1, const ExpertWeight& s0, const ExpertWeight& s1, int Nw, int box_rows,
+                 Maps& m) {
+  const int64_t Pp = moe_prefill_pitch(P);
+  if (!tma::encode_u8_2d(m.a, A, P, K, 128, kBM, true)) return false;
+  if (!encode_f32_2d(m.as, AsT, K / 128, P, Pp, kBM)) return false;
+  if (!tma::encode_u8_2d(m.w0, w0.w, static_cast<int64_t>(p.E) * Nw, K, 128, box_rows, true)) return false;
+  if (!tma::encode_u8_2d(m.w1, w1.w, static_cast<int64_t>(p.E) * Nw, K, 128, box_rows, true)) return false;
+  if (p.has_shared) {
+    if (!tma::encode_u8_2d(m.s0, s0.w, Nw, K, 128, box_rows, true)) return false;
+    if (!tma::encode_u8_2d(m.s1, s1.w, Nw, K, 128, box_rows, true)) return false;
+  } else {
+    m.s0 = m.w0, m.s1 = m.w1;  // unused (no task has expert E)
+  }
+  return true;
+}
+
+}  // namespace
+
+bool moe_prefill_supported(const MoeProblem& p) {
+  return p.fmt == WeightFmt::kFp8 && p.d % 128 == 0 && p.inter % 128 == 0 && p.d >= 128 && p.inter >= 128 &&
+         p.d / 128 <= kMaxKB && p.inter / 128 <= kMaxKB;
+}
+
+bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t stream) {
+  if (!moe_prefill_supported(p)) return false;
+  Maps m1{}, m2{};
+  if (!encode_maps(p, io.xp, io.xsT, io.P, p.d, p.w1, p.w3, p.sw1, p.sw3, p.inter, 64, m1) ||
+      !encode_maps(p, io.hq, io.hsT, io.P, p.inter, p.w2, p.w2, p.sw2, p.sw2, p.d, 128, m2))
+    return false;
+  const int64_t Pp = moe_prefill_pitch(io.P);
+  const int sms = num_sms();
+  const unsigned cgrid = static_cast<unsigned>(io.P);
+
+  if (io.x_bf16)
+    gather_cast_kernel<__nv_bfloat16><<<cgrid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(io.x), io.rows,
+                                                                 io.tasks, io.ntasks, p.d, Pp, io.xp, io.xsT);
+  else
+    gather_cast_kernel<float><<<cgrid, 256, 0, stream>>>(static_cast<const float*>(io.x), io.rows, io.tasks,
+                                                         io.ntasks, p.d, Pp, io.xp, io.xsT);
+  check_launch("gather_cast_kernel (moe x)");
+
+  Args a1{};
+  a1.K = p.d, a1.N = p.inter, a1.E = p.E, a1.KB = p.d / 128;
+  a1.scale0 = p.w1.scale, a1.scale1 = p.w3.scale, a1.scale_u8 = p.w1.scale_u8;
+  a1.sscale0 = p.sw1.scale, a1.sscale1 = p.sw3.scale, a1.sscale_u8 = p.sw1.scale_u8;
+  a1.NBw = p.inter / 128;
+  a1.tasks = io.tasks, a1.ntasks = io.ntasks, a1.ntiles = p.inter / 64;
+  a1.out = io.h, a1.limit = p.limit;
+  launch<true>(a1, m1, static_cast<int>(std::min<int64_t>(sms, io.U * a1.ntiles)), stream);
+
+  gather_cast_kernel<__nv_bfloat16><<<cgrid, 256, 0, stream>>>(io.h, nullptr, io.tasks, io.ntasks, p.inter, Pp,
+                                                               io.hq, io.hsT);
+  check_launch("gather_cast_kernel (moe h)");
+
+  Args a2{};
+  a2.K = p.inter, a2.N = p.d, a2.E = p.E, a2.KB = p.inter / 128;
+  a2.scale0 = a2.scale1 = p.w2.scale, a2.scale_u8 = p.w2.scale_u8;
+  a2.sscale0 = a2.sscale1 = p.sw2.scale, a2.sscale_u8 = p.sw2.scale_u8;
+  a2.NBw = p.d / 128;
+  a2.tasks = io.tasks, a2.ntasks = io.ntasks, a2.ntiles = p.d / 128;
+  a2.out = io.Y, a2.row_weight = io.wrow;
+  launch<false>(a2, m2, static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles)), stream);
+  return true;
+}
+
+}  // namespace deepfuse

@@ -1,0 +1,40 @@
+// Prefill-path expert GEMMs of moe_experts (csrc/moe/moe_prefill.cu): tokens on wgmma's M side,
+// a TMA producer warp feeding an mbarrier ring, two consumer warpgroups, a persistent tile
+// scheduler over (task, n-tile). Internal to csrc/moe.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moe/moe.h"
+
+namespace deepfuse {
+
+struct MoePrefillIO {
+  const void* x;            // [T, d] bf16 / fp32
+  bool x_bf16;
+  const int* rows;          // plan: token of each position
+  const int* tasks;         // plan: [U, 3] tasks of <= 128 positions (expert, first, end)
+  const int* ntasks;
+  int64_t U;                // tasks bound
+  int64_t P;                // positions bound (rows of xp / h / hq / Y)
+  uint8_t* xp;              // [P, d] e4m3: x gathered into position order
+  float* xsT;               // [ceil(d/128), Pp] fp32 scales, transposed (Pp = P rounded up to 4)
+  __nv_bfloat16* h;         // [P, inter]
+  uint8_t* hq;              // [P, inter] e4m3
+  float* hsT;               // [ceil(inter/128), Pp]
+  float* Y;                 // [P, d]
+  const float* wrow;        // [P] routing weight of each position
+};
+
+inline int64_t moe_prefill_pitch(int64_t P) { return (P + 3) / 4 * 4; }
+
+// Whether the prefill kernels serve this problem (fp8 weights, d and inter multiples of 128).
+bool moe_prefill_supported(const MoeProblem& p);
+
+// gather-cast x -> GEMM1 (w1 | w3, SwiGLU -> h bf16) -> cast h -> GEMM2 (w2 x routing weight -> Y).
+// false: not served (nothing launched).
+bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t stream);
+
+}  // namespace deepfuse
