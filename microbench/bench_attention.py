@@ -3,7 +3,11 @@ fraction of the bf16 MMA peak measured in this run, FP8 KV bytes read per second
 speedup over the eager PyTorch gather + softmax (the op's reference, run on the GPU), and the
 MXFP8 + inverse-RoPE epilogue's cost.
 
-python -m microbench.bench_attention --out DIR [--quick]
+python -m microbench.bench_attention --out DIR [--quick] [--wg]
+
+--wg: the kernel comparison instead (plan group_rows 1, which the wgmma kernel serves): each cell
+timed with the mma.sync kernel (DEEPFUSE_SPARSE_DECODE=0) and the warp-specialised wgmma kernel
+(=1), bf16 out; the wgmma kernel also with MXFP8 + inverse RoPE and inside a CUDA graph.
 
 Grid (issue 14):
 - decode CSA: B in {1, 16, 64, 128, 256} requests x 2 query rows (one draft), H 64 / 128,
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 
@@ -163,16 +168,76 @@ def grid(quick):
     return cells
 
 
+def wg_grid(quick):
+    cells = []
+    for Hh in (64, 128):
+        BG = ([(1, 2), (64, 1), (64, 2), (64, 4), (128, 2)] if quick else
+              [(B, G) for B in (1, 16, 64, 128, 256) for G in (1, 2, 4)])
+        for B, G in BG:
+            cells.append(("decode_csa", Hh, B, G, dict(kind="csa", ctx_rows=4096, sel=512, indep=True)))
+        for ctx in (65536, 1 << 20):
+            cells.append((f"decode_hca_{ctx // 1024}K", Hh, 64, 2, dict(kind="hca", ctx_rows=ctx // 128, sel=0)))
+        cells.append(("prefill", Hh, 4096, 1, None))
+    return cells
+
+
+def main_wg(a, ctx, peak):
+    """mma.sync vs wgmma kernel on the same inputs, plan group_rows 1 (s_q rows per request
+    are independent rows: the window rows of a request's s_q queries are shared positions, the
+    selected lists are independent)."""
+    rows = []
+    for suite, Hh, n, G, kw in wg_grid(a.quick):
+        c = prefill_case(n, Hh) if kw is None else decode_case(n, Hh, G=G, plan_G=1, **kw)
+        T = c["q"].shape[0]
+        g = torch.Generator(device="cuda").manual_seed(n)
+        c["sink"] = torch.randn(Hh, device="cuda", generator=g)
+        c["scale"] = 1.0 / math.sqrt(512)
+        K = c["idx"].shape[1] + c["eidx"].shape[1]
+        plan = A.sparse_attention_plan(T, Hh, K)
+        flops = 4 * 512 * Hh * valid_keys(c)
+        r = dict(suite=suite, H=Hh, B_or_T=n, s_q=G if kw is not None else None, T=T, K=K, splits=plan.num_splits)
+        for name, v in (("mma", "0"), ("wg", "1")):
+            os.environ["DEEPFUSE_SPARSE_DECODE"] = v
+            t = H.time_fn(lambda: call(c, plan=plan), reps=20)
+            r[f"{name}_us"] = t.median_us
+            r[f"{name}_frac"] = flops / t.s / 1e12 / peak
+        ang = torch.rand(T, 32, device="cuda") * 6.28
+        inv = (torch.cos(ang), torch.sin(ang))
+        tm = H.time_fn(lambda: call(c, "mxfp8", inv, plan=plan), reps=20)
+        r["wg_TFLOPs"] = flops / (r["wg_us"] * 1e-6) / 1e12
+        r["wg_mx_cost"] = tm.median_us / r["wg_us"] - 1
+        tg = H.time_graph(lambda: call(c, plan=plan)) if T * Hh <= 64 * 128 * 2 else None
+        r["wg_graph_us"] = tg.median_us if tg else None
+        r["speedup"] = r["mma_us"] / r["wg_us"]
+        r["series"] = f"{suite} H={Hh}"
+        os.environ.pop("DEEPFUSE_SPARSE_DECODE", None)
+        rows.append(r)
+        print(f"{suite:16s} H={Hh:<3d} n={n:<5d} s_q={r['s_q']} splits={plan.num_splits:<3d} mma {r['mma_us']:9.1f} us "
+              f"({r['mma_frac']:5.1%})  wgmma {r['wg_us']:9.1f} us ({r['wg_frac']:5.1%}, {r['wg_TFLOPs']:.0f} TFLOP/s)"
+              f"  x{r['speedup']:.2f}  graph {r['wg_graph_us'] or float('nan'):7.1f} us  mxfp8 {r['wg_mx_cost']:+.1%}",
+              flush=True)
+        del c
+        torch.cuda.empty_cache()
+    H.print_table(rows, [("suite", "{}"), ("H", "{}"), ("B_or_T", "{}"), ("s_q", "{}"), ("splits", "{}"),
+                         ("mma_us", "{:.1f}"), ("wg_us", "{:.1f}"), ("speedup", "{:.2f}"), ("wg_TFLOPs", "{:.0f}"),
+                         ("wg_frac", "{:.3f}"), ("wg_graph_us", "{:.1f}"), ("wg_mx_cost", "{:+.3f}")])
+    path = H.save(a.out, "attention_wg", ctx, rows)
+    print("saved", path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--wg", action="store_true", help="mma.sync vs wgmma kernel comparison (see the module doc)")
     a = ap.parse_args(argv)
     ctx = H.Context.create()
     peak = bf16_peak_tflops()
     ctx.extra["bf16_peak_tflops"] = peak
     print(ctx.header() + f" | bf16 matmul 8192^3 {peak:.0f} TFLOP/s")
+    if a.wg:
+        return main_wg(a, ctx, peak)
     rows = []
     for suite, Hh, n, kw in grid(a.quick):
         if kw is None:

@@ -51,6 +51,13 @@ AttnPlan sparse_attention_plan(int T, int H, int K_total, int G);
 // Workspace floats needed for a plan (0 when splits == 1).
 int64_t sparse_attention_workspace_floats(int T, int H, int splits);
 
+// The warp-specialised wgmma kernel (sparse_decode_sm90.cu): covers G == 1, H 64 / 128, FP8
+// (or absent) sources; used when enabled (DEEPFUSE_SPARSE_DECODE=1 / 0 overrides the default).
+constexpr bool kSparseDecodeDefault = false;
+bool sparse_decode_covers(const AttnParams& p);
+bool sparse_decode_enabled();
+void sparse_decode_launch(const AttnParams& p, cudaStream_t stream);  // main kernel only
+
 // Launches the attention (and the split-KV combine when splits > 1). No sync, no allocation.
 void sparse_attention_paged(const AttnParams& p, cudaStream_t stream);
 

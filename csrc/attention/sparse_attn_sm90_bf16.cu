@@ -50,10 +50,14 @@ void sparse_attention_paged(const AttnParams& p, cudaStream_t stream) {
   if (p.splits < 1 || p.splits > 65535) throw std::invalid_argument("deepfuse: sparse_attention_paged: bad splits");
   if (p.splits > 1 && (p.ws_o == nullptr || p.ws_ml == nullptr))
     throw std::invalid_argument("deepfuse: sparse_attention_paged: splits > 1 needs a workspace");
-  switch (p.G) {
-    case 1: launch_main<1>(p, C, stream); break;
-    case 2: launch_main<2>(p, C, stream); break;
-    default: launch_main<4>(p, C, stream); break;
+  if (sparse_decode_covers(p) && sparse_decode_enabled()) {
+    sparse_decode_launch(p, stream);
+  } else {
+    switch (p.G) {
+      case 1: launch_main<1>(p, C, stream); break;
+      case 2: launch_main<2>(p, C, stream); break;
+      default: launch_main<4>(p, C, stream); break;
+    }
   }
   if (p.splits > 1) {
     const int64_t n = static_cast<int64_t>(p.T) * p.H;

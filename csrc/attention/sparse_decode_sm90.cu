@@ -1,0 +1,40 @@
+// Sparse attention over paged FP8 KV, sm90a: launch of the warp-specialised wgmma kernel
+// (sparse_decode_sm90.cuh). The split-KV combine is launched by sparse_attention_paged
+// (sparse_attn_sm90_bf16.cu), shared with the mma.sync kernel.
+#include <cstdlib>
+#include <cstring>
+
+#include "attention/sparse_decode_sm90.cuh"
+#include "common/cuda_utils.h"
+
+namespace deepfuse {
+
+bool sparse_decode_covers(const AttnParams& p) {
+  if (p.G != 1 || (p.H != 64 && p.H != 128)) return false;
+  for (int si = 0; si < 2; ++si)
+    if (p.src[si].K > 0 && !p.src[si].fp8) return false;
+  return true;
+}
+
+bool sparse_decode_enabled() {
+  const char* e = std::getenv("DEEPFUSE_SPARSE_DECODE");
+  if (e == nullptr || e[0] == '\0') return kSparseDecodeDefault;
+  return std::strcmp(e, "0") != 0;
+}
+
+void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
+  static bool attr_done[64] = {};
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64 || !attr_done[dev]) {
+    check_cuda(cudaFuncSetAttribute(attn_wg::sparse_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    attn_wg::kSmemBytes),
+               "sparse_attention (wgmma): smem attribute");
+    if (dev < 64) attr_done[dev] = true;
+  }
+  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.T) * (p.H / 64)), static_cast<unsigned>(p.splits), 1);
+  attn_wg::sparse_decode_kernel<<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
+  check_launch("sparse_attention (wgmma)");
+}
+
+}  // namespace deepfuse

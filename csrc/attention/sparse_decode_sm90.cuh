@@ -1,0 +1,436 @@
+// Sparse attention over paged FP8 KV, sm90a: the warp-specialised wgmma kernel (decode and
+// any T with one query row per CTA group, G = 1, FP8 pages). Semantics: ops/attention.py;
+// host selection: sparse_attn_sm90_bf16.cu (sparse_decode_enabled).
+//
+// CTA = 3 warpgroups (384 threads), 64 query heads of one query row t (H = 128: two CTAs).
+// Keys in blocks of 64 positions of the virtual list (source 0's columns, then source 1's).
+// - Warpgroup 0 (producer, 96 registers): per block, each key row by two threads: slot
+//   index, validity (0 <= slot < num_slots, position < length), the 36 16-byte chunks of
+//   the 584-byte row loaded into registers (18 per thread, before waiting for the stage),
+//   e4m3 x 2^(s-127) -> bf16 (bit-exact with kv_dequantise_rows), stored into a 64 x 512
+//   bf16 tile in the wgmma 128-byte-swizzle layout ([8 sub-tiles of 64 dims][64 keys][128 B]);
+//   invalid keys are written as zeros and flagged in a per-stage byte mask. Two stages,
+//   "full" / "empty" mbarriers.
+// - Warpgroups 1 and 2 (consumers, 208 registers): warpgroup w owns dims / output columns
+//   256 w .. 256 w + 255. S_w = Q[:, half w] K[:, half w]^T by 16 wgmma m64n64k16 (both
+//   operands K-major from shared memory); the two partial logit tiles are exchanged through
+//   shared memory (two named barriers), both warpgroups run the same online softmax (log2
+//   domain, lazy rescaling past 2^8, so both hold identical P), P goes to bf16 register
+//   fragments and O_w += P V[:, half w] by 4 wgmma m64n256k16 (A from registers, B = the
+//   same key tile read N-major: LBO = 8 KB between 64-column sub-tiles, SBO = 1 KB between
+//   8-key groups). The 64 x 256 fp32 accumulator is 128 registers per thread.
+// Splits (gridDim.y) take contiguous ranges of blocks and write the unnormalised partials
+// that sparse_attn_combine_kernel merges; with one split the epilogue (sink, lse, inverse
+// RoPE, bf16 or MXFP8) runs here, the same as sparse_attn_sm90_bf16.cuh's.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "attention/sparse_attention.h"
+#include "common/arch.h"
+#include "common/fp8_utils.cuh"
+
+namespace deepfuse {
+namespace attn_wg {
+
+constexpr int kThreads = 384;
+constexpr int kDim = 512;
+constexpr int kSub = 8192;                     // [64 rows][128 B]: one 64-dim sub-tile
+constexpr int kTile = 8 * kSub;                // 64 rows x 512 dims bf16
+constexpr int kQOff = 0;
+constexpr int kKOff = kTile;                   // 2 stages
+constexpr int kXOff = 3 * kTile;               // logit exchange: 2 warpgroups x 32 x 128 fp32
+constexpr int kMaskOff = kXOff + 2 * 32 * 128 * 4;
+constexpr int kBarOff = kMaskOff + 2 * 64;     // full[2], empty[2]
+constexpr int kSmemBytes = kBarOff + 32 + 1024;  // + alignment slack (1024-byte swizzle atoms)
+constexpr int kProducerRegs = 96;
+constexpr int kConsumerRegs = 208;
+constexpr float kLn2 = 0.69314718055994530942f;
+constexpr float kLog2e = 1.44269504088896340736f;
+
+static_assert(kSmemBytes <= 232448, "shared memory");
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+
+// Byte offset of 16-byte chunk c (0..63, dims 8c..8c+7) of row r (0..63) in a tile.
+__device__ __forceinline__ uint32_t toff(int r, int c) {
+  return static_cast<uint32_t>((c >> 3) * kSub + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// K-major operand, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t desc_k(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+// N-major (transposed) B operand, 128-byte swizzle: 64-column sub-tiles kSub apart (LBO),
+// 8-key groups 1024 bytes apart (SBO).
+__device__ __forceinline__ uint64_t desc_mn(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(kSub >> 4) << 16) | (64ull << 32) |
+         (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void named_bar(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile("{ .reg .pred q; mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2; selp.u32 %0, 1, 0, q; }\n"
+                 : "=r"(ok)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } while (!ok);
+}
+
+__device__ __forceinline__ uint4 ld_nc16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ int64_t load_i(const void* p, int is64, int64_t i) {
+  return is64 ? __ldg(static_cast<const long long*>(p) + i) : static_cast<int64_t>(__ldg(static_cast<const int*>(p) + i));
+}
+
+// 16 e4m3 times 2^e -> 16 bf16 (fp32 product rounded to bf16, as kv_dequantise_rows).
+__device__ __forceinline__ void dequant16(const uint4& raw, float mul, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const __nv_fp8x2_storage_t pr = static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * k)) & 0xffffu);
+      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pr, __NV_E4M3);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+      o[2 * i + k] = pack_bf16(f.x * mul, f.y * mul);
+    }
+  }
+  lo = make_uint4(o[0], o[1], o[2], o[3]);
+  hi = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// A from registers (a0..a3: the m64k16 bf16 fragment), B N-major (transposed) from shared memory.
+__device__ __forceinline__ void wgmma_rs_m64n256k16_tb(float (&d)[128], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                    uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(scale_d));
+}
+
+
+__global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid_constant__ AttnParams P) {
+#if DEEPFUSE_SM90A_DEVICE
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const uint32_t sb = smem_u32(sm);
+  const uint32_t full0 = sb + kBarOff, empty0 = sb + kBarOff + 16;
+  const int tid = threadIdx.x;
+  const int HT = P.H / 64;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) / HT;
+  const int head0 = static_cast<int>(blockIdx.x % HT) * 64;
+
+  // Q tile (64 heads x 512) -> shared memory, swizzled.
+  for (int i = tid; i < 64 * 64; i += kThreads) {
+    const int r = i >> 6, c = i & 63;
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(P.q) + t * P.q_ld_t +
+                                                         (head0 + r) * P.q_ld_h + c * 8));
+    *reinterpret_cast<uint4*>(sm + kQOff + toff(r, c)) = v;
+  }
+  if (tid == 0) {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(full0 + 8 * s, 128);
+      mbar_init(empty0 + 8 * s, 256);
+    }
+  }
+  fence_proxy_async();  // Q's stores -> the wgmma (async) proxy
+  __syncthreads();
+
+  const int K0 = P.src[0].K;
+  const int K_all = K0 + P.src[1].K;
+  const int nblk = (K_all + 63) / 64;
+  const int bps = (nblk + P.splits - 1) / P.splits;
+  const int b_begin = min(nblk, static_cast<int>(blockIdx.y) * bps);
+  const int nb = min(nblk, b_begin + bps) - b_begin;
+  const int wg = tid >> 7;
+
+  if (wg == 0) {
+    // ---------------------------------------------------------------- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    const int key = tid >> 1, half = tid & 1;
+    int len[2];
+#pragma unroll
+    for (int si = 0; si < 2; ++si) {
+      const AttnSource& S = P.src[si];
+      int64_t L = S.K;
+      if (S.len != nullptr) L = min(L, load_i(S.len, S.len64, t));
+      len[si] = static_cast<int>(L > 0 ? L : 0);
+    }
+    for (int i = 0; i < nb; ++i) {
+      const int s = i & 1;
+      const int p = (b_begin + i) * 64 + key;
+      const int si = p < K0 ? 0 : 1;
+      const int pos = p - (si ? K0 : 0);
+      const AttnSource& S = P.src[si];
+      bool valid = p < K_all && pos < len[si];
+      int64_t slot = valid ? load_i(S.idx, S.idx64, t * S.K + pos) : -1;
+      valid = valid && slot >= 0 && slot < S.num_slots;
+      uint4 raw[18];
+      uint2 scl = make_uint2(0, 0);
+      if (valid) {
+        const int64_t page = slot / S.page_size;
+        const int row = static_cast<int>(slot - page * S.page_size);
+        const uint8_t* pg = S.base + page * S.page_bytes;
+        const uint8_t* rowp = pg + row * 576 + half * 16;
+#pragma unroll
+        for (int jj = 0; jj < 18; ++jj) raw[jj] = ld_nc16(rowp + jj * 32);
+        scl = __ldg(reinterpret_cast<const uint2*>(pg + static_cast<int64_t>(S.page_size) * 576 + row * 8));
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < 18; ++jj) raw[jj] = make_uint4(0, 0, 0, 0);
+      }
+      if (i >= 2) mbar_wait(empty0 + 8 * s, ((i >> 1) + 1) & 1);
+      uint8_t* kt = sm + kKOff + s * kTile;
+#pragma unroll
+      for (int jj = 0; jj < 14; ++jj) {  // e4m3 chunks j = 2 jj + half: values 16 j .. 16 j + 15
+        const int j = 2 * jj + half;
+        const int gi = j >> 2;
+        const uint32_t sbyte = ((gi < 4 ? scl.x >> (8 * gi) : scl.y >> (8 * (gi - 4)))) & 0xffu;
+        uint4 lo, hi;
+        dequant16(raw[jj], exp2i(static_cast<int>(sbyte) - 127), lo, hi);
+        *reinterpret_cast<uint4*>(kt + toff(key, 2 * j)) = lo;
+        *reinterpret_cast<uint4*>(kt + toff(key, 2 * j + 1)) = hi;
+      }
+#pragma unroll
+      for (int jj = 14; jj < 18; ++jj) {  // bf16 RoPE chunks j = 28..35: dims 8 (j + 28) ..
+        const int j = 2 * jj + half;
+        *reinterpret_cast<uint4*>(kt + toff(key, j + 28)) = raw[jj];
+      }
+      if (half == 0) sm[kMaskOff + s * 64 + key] = valid ? 1 : 0;
+      fence_proxy_async();
+      mbar_arrive(full0 + 8 * s);
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int w = wg - 1;        // dims / output columns 256 w ..
+  const int lt = tid & 127;    // thread in the warpgroup
+  const int wi = lt >> 5, lane = lt & 31;
+  const int g = lane >> 2, qd = lane & 3;
+  float o[128];
+#pragma unroll
+  for (int j = 0; j < 128; ++j) o[j] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  float4* xmine = reinterpret_cast<float4*>(sm + kXOff) + w * 8 * 128 + lt;
+  const float4* xother = reinterpret_cast<const float4*>(sm + kXOff) + (1 - w) * 8 * 128 + lt;
+
+  for (int i = 0; i < nb; ++i) {
+    const int s = i & 1;
+    mbar_wait(full0 + 8 * s, (i >> 1) & 1);
+    const uint32_t kt = sb + kKOff + s * kTile;
+    // S_w = Q[:, 256 w ..] K[:, 256 w ..]^T
+    float sc[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) sc[j] = 0.f;
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 16; ++ks) {
+      const uint32_t off = (4 * w + (ks >> 2)) * kSub + (ks & 3) * 32;
+      wgmma_ss_m64n64k16(sc, desc_k(sb + kQOff + off), desc_k(kt + off), ks > 0 ? 1 : 0);
+    }
+    wg_commit();
+    wg_wait0();
+    fence_regs(sc);
+    // Exchange the partial logits (the first barrier: the other warpgroup read the last ones).
+    named_bar(1, 256);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) xmine[r * 128] = make_float4(sc[4 * r], sc[4 * r + 1], sc[4 * r + 2], sc[4 * r + 3]);
+    named_bar(1, 256);
+    const uint8_t* mk = sm + kMaskOff + s * 64;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {  // n8 tile r: keys 8 r + 2 qd + {0, 1}
+      const float4 v = xother[r * 128];
+      const uint32_t m2 = *reinterpret_cast<const uint16_t*>(mk + 8 * r + 2 * qd);
+      const bool v0 = (m2 & 0xffu) != 0, v1 = (m2 >> 8) != 0;
+      sc[4 * r + 0] = v0 ? (sc[4 * r + 0] + v.x) * P.scale_log2 : -INFINITY;
+      sc[4 * r + 1] = v1 ? (sc[4 * r + 1] + v.y) * P.scale_log2 : -INFINITY;
+      sc[4 * r + 2] = v0 ? (sc[4 * r + 2] + v.z) * P.scale_log2 : -INFINITY;
+      sc[4 * r + 3] = v1 ? (sc[4 * r + 3] + v.w) * P.scale_log2 : -INFINITY;
+    }
+    // Online softmax, rows g and g + 8 of warp wi's 16 (lazy rescaling as in the mma.sync kernel).
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      mx[0] = fmaxf(mx[0], fmaxf(sc[4 * r], sc[4 * r + 1]));
+      mx[1] = fmaxf(mx[1], fmaxf(sc[4 * r + 2], sc[4 * r + 3]));
+    }
+    bool need = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      need |= mx[h] > m_run[h] + 8.f;
+    }
+    if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float mn = fmaxf(m_run[h], mx[h]);
+        const float alpha = mn == -INFINITY ? 1.f : exp2f(m_run[h] - mn);
+        m_run[h] = mn;
+        l_run[h] *= alpha;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) o[4 * j + 2 * h] *= alpha, o[4 * j + 2 * h + 1] *= alpha;
+      }
+    }
+    const float mu0 = m_run[0] == -INFINITY ? 0.f : m_run[0];
+    const float mu1 = m_run[1] == -INFINITY ? 0.f : m_run[1];
+    uint32_t pa[16];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const float p0 = exp2f(sc[4 * r] - mu0), p1 = exp2f(sc[4 * r + 1] - mu0);
+      const float p2 = exp2f(sc[4 * r + 2] - mu1), p3 = exp2f(sc[4 * r + 3] - mu1);
+      l_run[0] += p0 + p1;
+      l_run[1] += p2 + p3;
+      // k-step r / 2: a0 (row g, keys +0..7) a1 (row g+8) a2 (row g, keys +8..15) a3 (row g+8)
+      pa[4 * (r >> 1) + 2 * (r & 1) + 0] = pack_bf16(p0, p1);
+      pa[4 * (r >> 1) + 2 * (r & 1) + 1] = pack_bf16(p2, p3);
+    }
+    // O_w += P V[:, 256 w ..]
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_rs_m64n256k16_tb(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
+                             desc_mn(kt + 4 * w * kSub + kk * 2048), 1);
+    wg_commit();
+    wg_wait0();
+    fence_regs(o);
+    mbar_arrive(empty0 + 8 * s);
+  }
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+  const int hrow[2] = {head0 + wi * 16 + g, head0 + wi * 16 + g + 8};
+  const int col0 = w * 256 + 2 * qd;  // column of o[4 j + ..] = col0 + 8 j
+
+  if (P.splits > 1) {
+    const int64_t base = (static_cast<int64_t>(blockIdx.y) * P.T + t) * P.H;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* wo = P.ws_o + (base + hrow[h]) * kDim + col0;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) *reinterpret_cast<float2*>(wo + j * 8) = make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+      if (w == 0 && qd == 0)
+        *reinterpret_cast<float2*>(P.ws_ml + (base + hrow[h]) * 2) = make_float2(m_run[h], l_run[h]);
+    }
+    return;
+  }
+
+  // Sink normalisation, lse, inverse RoPE, bf16 or MXFP8 (as sparse_attn_kernel's epilogue).
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float sk = P.sink[hrow[h]] * kLog2e;
+    float M = fmaxf(m_run[h], sk);
+    if (M == -INFINITY) M = 0.f;
+    const float wt = exp2f(m_run[h] - M);
+    const float f = wt / (l_run[h] * wt + exp2f(sk - M));
+    if (w == 0 && qd == 0)
+      P.lse[t * P.H + hrow[h]] = l_run[h] > 0.f ? (log2f(l_run[h]) + m_run[h]) * kLn2 : -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) o[4 * j + 2 * h] *= f, o[4 * j + 2 * h + 1] *= f;
+  }
+  const int rope0 = kDim - 2 * P.rope_pairs;
+  if (P.rope_pairs > 0) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = col0 + 8 * j;
+      if (col >= rope0) {
+        const int pi = (col - rope0) >> 1;
+        const float cs = P.cos[t * P.rope_pairs + pi], sn = P.sin[t * P.rope_pairs + pi];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float x0 = o[4 * j + 2 * h], x1 = o[4 * j + 2 * h + 1];
+          o[4 * j + 2 * h] = x0 * cs + x1 * sn;
+          o[4 * j + 2 * h + 1] = x1 * cs - x0 * sn;
+        }
+      }
+    }
+  }
+  if (!P.mxfp8) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      __nv_bfloat16* ob = static_cast<__nv_bfloat16*>(P.out) + (t * P.H + hrow[h]) * kDim + col0;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<uint32_t*>(ob + j * 8) = pack_bf16(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint8_t* ob = static_cast<uint8_t*>(P.out) + (t * P.H + hrow[h]) * kDim + col0;
+#pragma unroll
+      for (int gg = 0; gg < 8; ++gg) {  // 32-column groups: n8 tiles 4 gg .. 4 gg + 3
+        float am = 0.f;
+#pragma unroll
+        for (int j = 4 * gg; j < 4 * gg + 4; ++j)
+          am = fmaxf(am, fmaxf(finite_abs(o[4 * j + 2 * h]), finite_abs(o[4 * j + 2 * h + 1])));
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+        const int e = ue8m0_exponent(am);
+        const float mul = exp2i(-e);
+#pragma unroll
+        for (int j = 4 * gg; j < 4 * gg + 4; ++j) {
+          const float a = fminf(fmaxf(o[4 * j + 2 * h] * mul, -kE4M3Max), kE4M3Max);
+          const float b = fminf(fmaxf(o[4 * j + 2 * h + 1] * mul, -kE4M3Max), kE4M3Max);
+          const __nv_fp8x2_storage_t v = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+          *reinterpret_cast<uint16_t*>(ob + j * 8) = static_cast<uint16_t>(v);
+        }
+        if (qd == 0) P.out_scale[(t * P.H + hrow[h]) * 16 + w * 8 + gg] = static_cast<uint8_t>(e + 127);
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+}  // namespace attn_wg
+}  // namespace deepfuse

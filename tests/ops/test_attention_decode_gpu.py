@@ -1,0 +1,131 @@
+"""ops.sparse_attention_paged on the warp-specialised wgmma kernel (csrc/attention/sparse_decode_sm90.cuh):
+one query row per CTA group (plan group_rows 1), H 64 / 128, FP8 pages. The kernel is selected by
+DEEPFUSE_SPARSE_DECODE (1: on, 0: the mma.sync kernel); each test sets it.
+
+Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
+docstring): fresh random caches written by kv_store into NaN-poisoned pages, -1 holes,
+duplicates, page-boundary slots, ragged lengths on both sources, a random sink, inverse RoPE,
+outputs poisoned through the caching allocator, every element checked against the fp32
+reference (bf16: |o - ref| <= 2^-7 vmax + 2^-7 |ref| and relative Frobenius < 4e-3; lse
+1e-4 + 1e-5 |ref|; MXFP8: scale bytes within 1, values within the bf16 bound + half an e4m3 ulp).
+Shapes: B requests x s_q rows (s_q 1 / 2 / 4 are T = B * s_q independent rows here), window
+128 + selected 512 (CSA decode), HCA-like long lists, forced splits, out-of-range slots.
+"""
+import pytest
+import torch
+
+from deepfuse import ops
+from deepfuse.ops import attention as A
+
+from test_attention_paged import _run_case, make_cache, make_indices
+
+ENV = "DEEPFUSE_SPARSE_DECODE"
+
+
+@pytest.fixture
+def wg(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+@pytest.mark.parametrize("B,s_q", [(1, 1), (1, 2), (3, 4), (16, 2), (64, 1), (128, 2)])
+@pytest.mark.parametrize("out_format", ["bf16", "mxfp8"])
+def test_decode_csa(wg, H, B, s_q, out_format):
+    if B * s_q * H > 128 * 2 * 64 and out_format == "mxfp8":
+        pytest.skip("the largest cells run once (bf16)")
+    _run_case(H, 1, B * s_q, 128, 512, out_format=out_format, seed=17 * H + B + s_q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dict(H=64, T=3, K1=128, K2=None, lens=False, rope=False),                  # window only
+    dict(H=64, T=2, K1=129, K2=300),                                            # ragged block ends
+    dict(H=128, T=5, K1=128, K2=2048, splits=1),                                # one split, long (HCA-like)
+    dict(H=64, T=2, K1=128, K2=4096, splits=37),                                # many splits (some empty)
+    dict(H=128, T=2, K1=128, K2=8192),                                          # plan splits, 1M-context-like
+    dict(H=64, T=4, K1=128, K2=1024, oob=True, idx64=True),                     # out-of-range slots skipped
+    dict(H=64, T=1, K1=5, K2=0),                                                # tiny, empty extra
+    dict(H=128, T=6, K1=128, K2=512, out_format="mxfp8", splits=3, q_scale=4.0),  # peaky logits
+    dict(H=64, T=300, K1=128, K2=512, ps=(16, 64)),                             # prefill-like
+    dict(H=128, T=8, K1=64, K2=64, ps=(16, 16), splits=2, out_format="mxfp8"),
+])
+def test_cases(wg, case):
+    _run_case(G=1, **case, seed=len(str(case)) + 5)
+
+
+@pytest.mark.gpu
+def test_switch_selects_the_kernel(monkeypatch):
+    """Both kernels pass the same bounds; their fp32 summation orders differ, so the bf16 outputs
+    differ in some elements: the switch reaches the launcher."""
+    gen = torch.Generator().manual_seed(21)
+    kv, slots, _ = make_cache(16, 64, "fp8", 900, gen, "cuda")
+    T, H = 4, 64
+    idx = make_indices(T, 640, 1, slots, gen).cuda()
+    q = torch.randn(T, H, 512, generator=gen).to(torch.bfloat16).cuda()
+    sink = torch.randn(H, generator=gen).cuda()
+    outs = []
+    for v in ("0", "1"):
+        monkeypatch.setenv(ENV, v)
+        o, lse = ops.sparse_attention_paged(q, kv, 64, idx, sink, 0.05, plan=A.SparseAttentionPlan(1, 1))
+        outs.append((o, lse))
+    torch.cuda.synchronize()
+    assert not torch.equal(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_cuda_graph(wg, H):
+    gen = torch.Generator().manual_seed(10 + H)
+    T = 4
+    kv1, s1, deq1 = make_cache(8, 64, "fp8", 400, gen, "cuda")
+    kv2, s2, deq2 = make_cache(40, 16, "fp8", 600, gen, "cuda")
+    q = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+    i1 = torch.empty(T, 128, dtype=torch.int32, device="cuda")
+    i2 = torch.empty(T, 512, dtype=torch.int32, device="cuda")
+    sink = torch.randn(H, generator=gen).cuda()
+    plan = A.sparse_attention_plan(T, H, 640)
+    assert plan.group_rows == 1 and plan.num_splits > 1  # the workspace and the combine in the graph
+
+    def fill(seed):
+        g2 = torch.Generator().manual_seed(seed)
+        qq = torch.randn(T, H, 512, generator=g2).to(torch.bfloat16)
+        a, b = make_indices(T, 128, 1, s1, g2), make_indices(T, 512, 1, s2, g2)
+        q.copy_(qq), i1.copy_(a), i2.copy_(b)
+        return qq, a, b
+
+    def call():
+        return ops.sparse_attention_paged(q, kv1, 64, i1, sink, 0.05, extra_kv=kv2, extra_page_size=16,
+                                          extra_indices=i2, plan=plan, out_format="mxfp8")
+
+    fill(1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (q8, s8), lse = call()
+    qq, a, b = fill(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    ro, rl = ops.sparse_attention_paged(qq.float(), kv1.cpu(), 64, a, sink.cpu(), 0.05, extra_kv=kv2.cpu(),
+                                        extra_page_size=16, extra_indices=b)
+    from deepfuse.ops import cast as C
+    deq = C.mxfp8_dequant(q8.cpu(), s8.cpu(), torch.float32).view(T, H, 512)
+    vmax = max(float(deq1.abs().nan_to_num(0).max()), float(deq2.abs().nan_to_num(0).max()))
+    eps = 2.0**-7 * (vmax + ro.abs())
+    assert bool(((deq - ro).abs() <= eps * (1 + 2.0**-4) + 2.0**-4 * ro.abs() + 2.0**-10 * 2.0**(s8.cpu().float().max() - 127)).all())
+    torch.testing.assert_close(lse.cpu(), rl, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("case", [
+    dict(H=64, T=4, K1=40, K2=70, splits=2, oob=True),
+    dict(H=128, T=3, K1=128, K2=200, out_format="mxfp8"),
+    dict(H=64, T=2, K1=64, K2=None, splits=1),
+])
+def test_sanitize(wg, case):
+    _run_case(G=1, **case, seed=3)
