@@ -20,14 +20,17 @@
 //   (DeepGEMM's promotion); the two warpgroups interleave (one promotes while the other's MMAs run).
 // - Epilogues: GEMM1 the clamped SwiGLU (gate and up of a column sit in the same thread), h as
 //   bf16; GEMM2 times the routing weight, fp32 rows per position (then the combine kernel).
-// K is walked in order from chunk 0 for every tile: a row's result depends on its own inputs only
-// (bitwise reproducible, independent of the plan's placement).
+// Each tile walks K from a chunk that depends on (n-tile, expert) only (CTAs in flight together then
+// read different columns of their weight rows, spread over the DRAM channels, as in the decode
+// kernels; DEEPFUSE_MOE_PREFILL_NO_ROT=1 walks from chunk 0, for comparisons): a row's result
+// depends on its own inputs only (bitwise reproducible, independent of the plan's placement).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "common/arch.h"
 #include "common/cuda_utils.h"
@@ -66,6 +69,7 @@ struct Args {
   void* out;              // GEMM1: h bf16 [P, N]; GEMM2: Y fp32 [P, N]
   const float* row_weight;
   float limit;
+  int rotate;             // 1: each tile walks K from a chunk that depends on (n-tile, expert) only
 };
 
 // shared memory (from a 1024-aligned base): ring, row scales, weight scales, barriers
@@ -172,7 +176,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
       const CUtensorMap* m0 = sh ? &maps.s0 : &maps.w0;
       const CUtensorMap* m1 = sh ? &maps.s1 : &maps.w1;
       const int rb = sh ? 0 : e * a.N;  // weight rows per expert: GEMM1 inter, GEMM2 d
-      for (int kb = 0; kb < KB; ++kb, ++i) {
+      const int rot = a.rotate ? (t * 5 + e * 11) % KB : 0;
+      for (int u = 0; u < KB; ++u, ++i) {
+        const int kb = u + rot < KB ? u + rot : u + rot - KB;
         const float w0 = __shfl_sync(0xffffffffu, sel4(r0s, kb >> 5), kb & 31);
         const float w1 = SWIGLU ? __shfl_sync(0xffffffffu, sel4(r1s, kb >> 5), kb & 31) : w0;
         if (lane == 0) {
@@ -208,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
     const int r0 = a.tasks[task * 3 + 1], r1 = a.tasks[task * 3 + 2];
 #pragma unroll
     for (int c = 0; c < 64; ++c) acc[c] = 0.0f;
-    for (int kb = 0; kb < KB; ++kb, ++i) {
+    for (int u = 0; u < KB; ++u, ++i) {
       const int st = i % kStages;
       tma::mbar_wait(tma::smem_u32(full + st), (i / kStages) & 1);
       const uint32_t aa = tma::smem_u32(base + st * kStage) + wg * 64 * 128;
@@ -316,6 +322,7 @@ bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t
     return false;
   const int64_t Pp = moe_prefill_pitch(io.P);
   const int sms = num_sms();
+  const int rotate = std::getenv("DEEPFUSE_MOE_PREFILL_NO_ROT") == nullptr;  // read per call (benchmarks)
   const unsigned cgrid = static_cast<unsigned>(io.P);
 
   if (io.x_bf16)
@@ -332,7 +339,7 @@ bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t
   a1.sscale0 = p.sw1.scale, a1.sscale1 = p.sw3.scale, a1.sscale_u8 = p.sw1.scale_u8;
   a1.NBw = p.inter / 128;
   a1.tasks = io.tasks, a1.ntasks = io.ntasks, a1.ntiles = p.inter / 64;
-  a1.out = io.h, a1.limit = p.limit;
+  a1.out = io.h, a1.limit = p.limit, a1.rotate = rotate;
   launch<true>(a1, m1, static_cast<int>(std::min<int64_t>(sms, io.U * a1.ntiles)), stream);
 
   gather_cast_kernel<__nv_bfloat16><<<cgrid, 256, 0, stream>>>(io.h, nullptr, io.tasks, io.ntasks, p.inter, Pp,
@@ -345,7 +352,7 @@ bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t
   a2.sscale0 = a2.sscale1 = p.sw2.scale, a2.sscale_u8 = p.sw2.scale_u8;
   a2.NBw = p.d / 128;
   a2.tasks = io.tasks, a2.ntasks = io.ntasks, a2.ntiles = p.d / 128;
-  a2.out = io.Y, a2.row_weight = io.wrow;
+  a2.out = io.Y, a2.row_weight = io.wrow, a2.rotate = rotate;
   launch<false>(a2, m2, static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles)), stream);
   return true;
 }
