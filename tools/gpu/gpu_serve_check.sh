@@ -23,9 +23,14 @@ sw=${SERVE_WHL:-.gpu/serve-whl}
 if [ -d "$sw" ]; then
   python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/servesite "$sw"/*.whl || exit 3
 fi
-# the source tree's Python over the wheel's extension
-cp /tmp/dfsite/deepfuse/_C*.so python/deepfuse/
-export PYTHONPATH=$root/python:$root:/tmp/servesite
+# the source tree's Python over the wheel's extension; WHEEL_PY=1: the wheel's own Python (a tree
+# with uncommitted edits that the wheel does not match)
+if [ "${WHEEL_PY:-0}" = 1 ]; then
+  export PYTHONPATH=/tmp/dfsite:$root:/tmp/servesite
+else
+  cp /tmp/dfsite/deepfuse/_C*.so python/deepfuse/
+  export PYTHONPATH=$root/python:$root:/tmp/servesite
+fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 rc=0
 
