@@ -4,10 +4,11 @@
 //
 // CTA = 3 warpgroups (384 threads), 64 query heads of one query row t (H = 128: two CTAs).
 // Keys in blocks of 64 positions of the virtual list (source 0's columns, then source 1's).
-// - Warpgroup 0 (producer, 96 registers): per block, each key row by two threads: slot
+// - Warpgroup 0 (producer, 88 registers): per block, each key row by two threads: slot
 //   index, validity (0 <= slot < num_slots, position < length), the 36 16-byte chunks of
-//   the 584-byte row loaded into registers (18 per thread, before waiting for the stage),
-//   e4m3 x 2^(s-127) -> bf16 (bit-exact with kv_dequantise_rows), stored into a 64 x 512
+//   the 584-byte row: the 28 e4m3 ones loaded into registers (14 per thread, before waiting
+//   for the stage), e4m3 x 2^(s-127) -> bf16 (bit-exact with kv_dequantise_rows), the 8 bf16
+//   RoPE ones copied by cp.async; stored into a 64 x 512
 //   bf16 tile in the wgmma 128-byte-swizzle layout ([8 sub-tiles of 64 dims][64 keys][128 B]);
 //   invalid keys are written as zeros and flagged in a per-stage byte mask. Two stages,
 //   "full" / "empty" mbarriers.
@@ -46,13 +47,16 @@ constexpr int kXOff = 3 * kTile;               // logit exchange: 2 warpgroups x
 constexpr int kMaskOff = kXOff + 2 * 32 * 128 * 4;
 constexpr int kBarOff = kMaskOff + 2 * 64;     // full[2], empty[2]
 constexpr int kSmemBytes = kBarOff + 32 + 1024;  // + alignment slack (1024-byte swizzle atoms)
-constexpr int kProducerRegs = 96;
+constexpr int kProducerRegs = 88;
 constexpr int kConsumerRegs = 208;
 constexpr float kLn2 = 0.69314718055994530942f;
 constexpr float kLog2e = 1.44269504088896340736f;
 
 static_assert(kSmemBytes <= 232448, "shared memory");
-static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+// setmaxnreg moves registers through a per-CTA pool: what the consumers take (.inc blocks until it
+// is there) must not exceed what the producer releases from the launch allocation (168 each).
+constexpr int kLaunchRegs = 168;
+static_assert(256 * (kConsumerRegs - kLaunchRegs) <= 128 * (kLaunchRegs - kProducerRegs), "register pool");
 
 // Byte offset of 16-byte chunk c (0..63, dims 8c..8c+7) of row r (0..63) in a tile.
 __device__ __forceinline__ uint32_t toff(int r, int c) {
@@ -206,25 +210,36 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       const int si = p < K0 ? 0 : 1;
       const int pos = p - (si ? K0 : 0);
       const AttnSource& S = P.src[si];
-      bool valid = p < K_all && pos < len[si];
+      bool valid = p < K_all && pos < (si ? len[1] : len[0]);
       int64_t slot = valid ? load_i(S.idx, S.idx64, t * S.K + pos) : -1;
       valid = valid && slot >= 0 && slot < S.num_slots;
-      uint4 raw[18];
+      uint4 raw[14];
       uint2 scl = make_uint2(0, 0);
+      const uint8_t* rowp = P.src[0].base;  // a valid address, never read, when the key is skipped
       if (valid) {
         const int64_t page = slot / S.page_size;
         const int row = static_cast<int>(slot - page * S.page_size);
         const uint8_t* pg = S.base + page * S.page_bytes;
-        const uint8_t* rowp = pg + row * 576 + half * 16;
+        rowp = pg + row * 576 + half * 16;
 #pragma unroll
-        for (int jj = 0; jj < 18; ++jj) raw[jj] = ld_nc16(rowp + jj * 32);
+        for (int jj = 0; jj < 14; ++jj) raw[jj] = ld_nc16(rowp + jj * 32);
         scl = __ldg(reinterpret_cast<const uint2*>(pg + static_cast<int64_t>(S.page_size) * 576 + row * 8));
       } else {
 #pragma unroll
-        for (int jj = 0; jj < 18; ++jj) raw[jj] = make_uint4(0, 0, 0, 0);
+        for (int jj = 0; jj < 14; ++jj) raw[jj] = make_uint4(0, 0, 0, 0);
       }
       if (i >= 2) mbar_wait(empty0 + 8 * s, ((i >> 1) + 1) & 1);
       uint8_t* kt = sm + kKOff + s * kTile;
+      // bf16 RoPE chunks j = 28..35 (dims 8 (j + 28) ..): copied as they are by cp.async (zero
+      // fill for a skipped key), landing while the e4m3 chunks are converted.
+#pragma unroll
+      for (int jj = 14; jj < 18; ++jj) {
+        const int j = 2 * jj + half;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(kt + toff(key, j + 28))),
+                     "l"(rowp + jj * 32), "r"(valid ? 16 : 0)
+                     : "memory");
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
 #pragma unroll
       for (int jj = 0; jj < 14; ++jj) {  // e4m3 chunks j = 2 jj + half: values 16 j .. 16 j + 15
         const int j = 2 * jj + half;
@@ -235,11 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
         *reinterpret_cast<uint4*>(kt + toff(key, 2 * j)) = lo;
         *reinterpret_cast<uint4*>(kt + toff(key, 2 * j + 1)) = hi;
       }
-#pragma unroll
-      for (int jj = 14; jj < 18; ++jj) {  // bf16 RoPE chunks j = 28..35: dims 8 (j + 28) ..
-        const int j = 2 * jj + half;
-        *reinterpret_cast<uint4*>(kt + toff(key, j + 28)) = raw[jj];
-      }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
       if (half == 0) sm[kMaskOff + s * 64 + key] = valid ? 1 : 0;
       fence_proxy_async();
       mbar_arrive(full0 + 8 * s);
@@ -260,23 +271,32 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   float4* xmine = reinterpret_cast<float4*>(sm + kXOff) + w * 8 * 128 + lt;
   const float4* xother = reinterpret_cast<const float4*>(sm + kXOff) + (1 - w) * 8 * 128 + lt;
 
-  for (int i = 0; i < nb; ++i) {
-    const int s = i & 1;
-    mbar_wait(full0 + 8 * s, (i >> 1) & 1);
-    const uint32_t kt = sb + kKOff + s * kTile;
-    // S_w = Q[:, 256 w ..] K[:, 256 w ..]^T
-    float sc[32];
+  // S_w of block i into sc (issued, not committed).
+  float sc[32];
 #pragma unroll
-    for (int j = 0; j < 32; ++j) sc[j] = 0.f;
-    wg_fence();
+  for (int j = 0; j < 32; ++j) sc[j] = 0.f;
+  auto issue_qk = [&](int i) {
+    const uint32_t kt = sb + kKOff + (i & 1) * kTile;
 #pragma unroll
     for (int ks = 0; ks < 16; ++ks) {
       const uint32_t off = (4 * w + (ks >> 2)) * kSub + (ks & 3) * 32;
       wgmma_ss_m64n64k16(sc, desc_k(sb + kQOff + off), desc_k(kt + off), ks > 0 ? 1 : 0);
     }
+  };
+  if (nb > 0) {
+    mbar_wait(full0, 0);
+    wg_fence();
+    issue_qk(0);
     wg_commit();
     wg_wait0();
     fence_regs(sc);
+  }
+
+  // Block i: S_w(i) is in sc. Exchange, softmax, then PV(i) and QK(i + 1) back to back on the
+  // tensor cores (one wait for both).
+  for (int i = 0; i < nb; ++i) {
+    const int s = i & 1;
+    const uint32_t kt = sb + kKOff + s * kTile;
     // Exchange the partial logits (the first barrier: the other warpgroup read the last ones).
     named_bar(1, 256);
 #pragma unroll
@@ -337,9 +357,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     for (int kk = 0; kk < 4; ++kk)
       wgmma_rs_m64n256k16_tb(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
                              desc_mn(kt + 4 * w * kSub + kk * 2048), 1);
+    if (i + 1 < nb) {
+      mbar_wait(full0 + 8 * (s ^ 1), ((i + 1) >> 1) & 1);
+      issue_qk(i + 1);
+    }
     wg_commit();
     wg_wait0();
     fence_regs(o);
+    fence_regs(sc);
     mbar_arrive(empty0 + 8 * s);
   }
 
