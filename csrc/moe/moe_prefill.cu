@@ -7,14 +7,15 @@
 // - The activations are laid out in position order first (gather_cast_kernel: x through the
 //   plan's token rows, or h as is -> e4m3 rows + fp32 scales per 128, fp8_group_cast's math, bit
 //   identical; the scales transposed [K / 128, P] so that a tile's 128 row scales of one chunk are
-//   one 512-byte TMA box). A task's rows are then a contiguous box of 128 rows: rows past the
+//   one TMA box). A task's rows are then a contiguous box of 128 rows: rows past the
 //   task's end (the next expert's, or zero-filled past the buffer) are computed and not stored.
 // - Persistent CTAs (one per SM, 288 threads) walk the tiles (task, n-tile) with a stride of the
 //   grid, n-tile fastest (the CTAs in flight share a task's activations in L2; an expert's weights
 //   are read once per task).
 // - Producer warp: per 128-K chunk one stage = A box (16 KB) + B boxes (16 KB) + the 128 row
-//   scales (512 B) by TMA, the chunk's weight block scale(s) (prefetched per tile into the warp's
-//   registers) stored next to them; full / empty mbarriers; it runs ahead across tiles.
+//   scales (from the row rounded down to a multiple of 4: a box starts 16-byte aligned) by TMA,
+//   the chunk's weight block scale(s) (prefetched per tile into the warp's registers) next to
+//   them; full / empty mbarriers; it runs ahead across tiles.
 // - Consumers: four m64n128k32 wgmmas per chunk into a partial accumulator, waited, the stage
 //   released, then promoted with (row scale x weight block scale) into the fp32 accumulator
 //   (DeepGEMM's promotion); the two warpgroups interleave (one promotes while the other's MMAs run).
@@ -49,6 +50,9 @@ constexpr int kThreads = kConsumers + 32; // + the producer warp
 constexpr int kStageA = kBM * 128, kStageB = kBN * 128, kStage = kStageA + kStageB;
 constexpr int kStages = 6;
 constexpr int kMaxKB = 128;               // K <= 16384 (the producer's scale registers)
+// A tile's row scales of one chunk: a TMA box of kASBox fp32 from the task's first row rounded
+// down to a multiple of 4 (a box's global start must be 16-byte aligned); kASStride per stage
+constexpr int kASBox = kBM + 4, kASStride = 160;
 
 struct Maps {
   CUtensorMap a, as, w0, w1, s0, s1;  // A [P, K] e4m3; A scales [KB, Pp] fp32; routed w1 | w3 or w2; shared
@@ -74,7 +78,7 @@ struct Args {
 
 // shared memory (from a 1024-aligned base): ring, row scales, weight scales, barriers
 constexpr int kOffAS = kStages * kStage;
-constexpr int kOffWS = kOffAS + kStages * kBM * 4;
+constexpr int kOffWS = kOffAS + kStages * kASStride * 4;
 constexpr int kOffBar = kOffWS + kStages * 2 * 4;
 constexpr int kSmem = kOffBar + 2 * kStages * 8 + 1024;
 
@@ -188,9 +192,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
           sWS[st * 2 + 1] = w1;
           const uint32_t bar = tma::smem_u32(full + st);
           const uint32_t dA = tma::smem_u32(base + st * kStage), dB = dA + kStageA;
-          tma::mbar_expect_tx(bar, kStage + kBM * 4);
+          tma::mbar_expect_tx(bar, kStage + kASBox * 4);
           tma::tma_load_2d(dA, &maps.a, kb * 128, r0, bar);
-          tma::tma_load_2d(tma::smem_u32(sAS + st * kBM), &maps.as, r0, kb, bar);
+          tma::tma_load_2d(tma::smem_u32(sAS + st * kASStride), &maps.as, r0 & ~3, kb, bar);
           if (SWIGLU) {
             tma::tma_load_2d(dB, m0, kb * 128, rb + t * 64, bar);
             tma::tma_load_2d(dB + kStageB / 2, m1, kb * 128, rb + t * 64, bar);
@@ -225,7 +229,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
       for (int k = 0; k < 4; ++k)
         gemm::wgmma_m64n128k32(part, gemm::smem_desc(aa + k * 32), gemm::smem_desc(ba + k * 32), k);
       gemm::wgmma_commit();
-      const float sa0 = sAS[st * kBM + m0r], sa1 = sAS[st * kBM + m0r + 8];
+      const float* as = sAS + st * kASStride + (r0 & 3) + m0r;
+      const float sa0 = as[0], sa1 = as[8];
       const float w0 = sWS[st * 2], w1 = sWS[st * 2 + 1];
       gemm::wgmma_wait0();
       gemm::fence_regs(part);
@@ -295,7 +300,7 @@ bool encode_maps(const MoeProblem& p, const uint8_t* A, const float* AsT, int64_
                  Maps& m) {
   const int64_t Pp = moe_prefill_pitch(P);
   if (!tma::encode_u8_2d(m.a, A, P, K, 128, kBM, true)) return false;
-  if (!encode_f32_2d(m.as, AsT, K / 128, P, Pp, kBM)) return false;
+  if (!encode_f32_2d(m.as, AsT, K / 128, P, Pp, kASBox)) return false;
   if (!tma::encode_u8_2d(m.w0, w0.w, static_cast<int64_t>(p.E) * Nw, K, 128, box_rows, true)) return false;
   if (!tma::encode_u8_2d(m.w1, w1.w, static_cast<int64_t>(p.E) * Nw, K, 128, box_rows, true)) return false;
   if (p.has_shared) {
