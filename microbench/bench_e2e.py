@@ -487,7 +487,8 @@ def parse(argv=None):
     ap.add_argument("--batches", type=int, nargs="*", default=[8, 16, 32, 64, 128, 256])
     ap.add_argument("--k", type=int, default=3, help="MTP drafts per decode step (spec mode)")
     ap.add_argument("--acc", type=float, default=3.25, help="simulated mean accepted length (spec mode)")
-    ap.add_argument("--modes", default="spec,plain", help="decode modes: spec (k drafts), plain (none)")
+    ap.add_argument("--modes", default="spec,plain",
+                    help="decode modes: spec (k drafts), plain (none); with --v41 also spec-eager (cuda_graphs off)")
     ap.add_argument("--steps", type=int, default=6, help="timed decode steps per batch")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
@@ -537,8 +538,9 @@ def parse(argv=None):
     elif a.experts is None:
         a.experts = "fp8"
     modes = [m for m in a.modes.split(",") if m]
-    if any(m not in ("spec", "plain") for m in modes):
-        ap.error(f"--modes: spec / plain, got {a.modes!r}")
+    allowed = ("spec", "plain", "spec-eager") if a.v41 else ("spec", "plain")  # spec-eager: V4.1, cuda_graphs off
+    if any(m not in allowed for m in modes):
+        ap.error(f"--modes: {' / '.join(allowed)}, got {a.modes!r}")
     a.modes = modes
     if not 0 <= a.k <= 8 or (a.k and not 1 <= a.acc <= a.k + 1):
         ap.error(f"--k must be in [0, 8] and --acc in [1, k + 1], got {a.k}, {a.acc}")
@@ -725,8 +727,10 @@ def run_decode_v41(model, a, mode: str) -> list[dict]:
     from deepfuse.engine import SamplingParams
 
     dev = model.device
-    k = a.k if mode == "spec" else 0
+    k = a.k if mode.startswith("spec") else 0
     extra = dict(num_speculative_tokens=k, spec_simulate_acc_len=a.acc, **a.spec_args) if k else {}
+    if mode == "spec-eager":  # the same spec engine with eager steps (DSpark drafts included)
+        extra["cuda_graphs"] = False
     max_tokens = (a.steps + 4) * (k + 1) + 8
     max_len = a.decode_prompt + max_tokens + 8
     eng = _v41_engine(model, a, budget=max(max(a.budgets), a.decode_prompt), max_reqs=max(a.batches),
@@ -751,9 +755,12 @@ def run_decode_v41(model, a, mode: str) -> list[dict]:
         for rid in ids:
             eng.abort(rid)
         eng.step()
+        ds = eng.runner.dspark
         row = {"mode": mode, "B": B, "k": k, "prompt": a.decode_prompt, "step_ms": step * 1e3,
                "tokens_per_step": tps, "tok_s_per_req": tps / step, "tok_s_total": B * tps / step,
-               "spec_args": a.spec_args if k else {}}
+               "spec_args": a.spec_args if k else {}, "cuda_graphs": eng.runner.graphs is not None,
+               "overlap": eng.overlap, "dspark_graph_steps": ds.graph_steps if ds is not None else None,
+               "dspark_graphs_captured": sum(g.graph is not None for g in ds.draft_graphs.values()) if ds else None}
         rows.append(row)
         print(f"v4.1 decode {mode:5s} B {B:4d}: step {row['step_ms']:8.2f} ms, {tps:.2f} tok/step, "
               f"{row['tok_s_per_req']:.1f} tok/s/req, {row['tok_s_total']:.0f} tok/s")
@@ -831,7 +838,7 @@ def main_v41(a) -> int:
             except Exception as e:
                 errors[mode] = f"{type(e).__name__}: {e}"
                 print(f"v4.1 decode {mode}: FAILED {errors[mode]}")
-                if mode != "spec":
+                if not mode.startswith("spec"):
                     traceback.print_exc()
     meta["reference_calls"], meta["errors"] = refs, errors
     meta["engram_prefetch"] = getattr(model, "_engram_prefetch", None) is not None  # the engines' (engine_prefetch) too
@@ -841,7 +848,7 @@ def main_v41(a) -> int:
     path = out / "e2e_v41.json"
     path.write_text(json.dumps({"bench": "e2e_v41", "context": meta, "prefill": prefill, "decode": decode}, indent=1))
     print(f"# wrote {path} ({meta['wall_s']:.0f} s)" + (f"; errors: {errors}" if errors else ""))
-    return 0 if not errors or set(errors) <= {"spec"} else 1
+    return 0 if not errors or set(errors) <= {"spec", "spec-eager"} else 1
 
 
 def _plots(out: Path, meta: dict, prefill: list, decode: list) -> list:

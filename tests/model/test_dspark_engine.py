@@ -13,7 +13,10 @@
   distribution: chi-square on the first two sampled tokens over 300 seeds.
 - A request restored from a saved prefix holds the snapshot's ring rows.
 - Method selection and validation: DSpark by default on V4.1, MTP on V4, errors naming the
-  field, cuda_graphs / overlap turned off with a warning.
+  field.
+- CUDA graphs (the CPU's padded static steps) and the overlapped loop: greedy with DSpark still
+  equals the full forward's greedy; uniform steps run the target graph (its context rows) and
+  every drafting step the draft graphs; sampled requests draw outside the draft graph.
 """
 import logging
 
@@ -86,6 +89,62 @@ def test_greedy_equals_full_forward(model, k, th, kw):
     if kw.get("enable_prefix_caching"):  # again, from saved prefixes (their rings restored)
         again = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS])
         assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("k,th,kw", [
+    (2, 0.0, dict(cuda_graphs=True)),
+    (3, 0.5, dict(cuda_graphs=True, max_num_batched_tokens=7)),
+    (2, 0.0, dict(overlap=True)),
+    (3, 0.0, dict(cuda_graphs=True, overlap=True, enable_prefix_caching=True)),
+    (2, 0.0, dict(cuda_graphs=True, overlap=True, max_total_tokens=56, max_num_seqs=3)),
+], ids=["k2-graphs", "k3-th0.5-graphs-chunked", "k2-overlap", "k3-graphs-overlap-prefix", "k2-graphs-overlap-small"])
+def test_greedy_equals_full_forward_graphs_overlap(model, k, th, kw):
+    """DSpark under CUDA graphs (here the CPU's padded static steps: the same code path without
+    capture) and the overlapped loop: greedy outputs equal the full forward's greedy; uniform
+    decode / verify steps run the target graph (which computes the context rows) and the drafts
+    come from the draft graphs, never from the eager propose."""
+    prompts = _prompts(PROMPT_LENS)
+    llm = LLM(model, num_speculative_tokens=k, dspark_threshold=th, max_model_len=96, **kw)
+    eng = llm.engine
+    ds = eng.runner.dspark
+    assert eng.overlap == kw.get("overlap", False)
+    graphs = kw.get("cuda_graphs", False)
+    assert (eng.runner.graphs is not None) == graphs and (ds.graphs is not None) == graphs
+    eager = []
+    orig = ds.drafter.propose
+    ds.drafter.propose = lambda *a, **kw_: eager.append(1) or orig(*a, **kw_)
+    used = []
+    run = eng.runner.graphs.run if graphs else None
+    if graphs:
+        eng.runner.graphs.run = lambda ctx: used.append(ctx.graph.pad.tokens) or run(ctx)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS])
+    for p, m, o in zip(prompts, MAX_TOKENS, outs):
+        assert len(o.token_ids) == m and _greedy_ok(model, p, o.token_ids), (k, th, kw, len(p))
+    st = eng.stats()["spec"]
+    if th == 0.0:
+        assert st["verify_steps"] > 0
+    if graphs:
+        assert not eager and ds.graph_steps > 0
+        assert 1 in used and (th > 0 or k + 1 in used)  # decode and verify steps replayed target graphs
+    else:
+        assert eager and ds.graph_steps == 0
+    _empty(eng)
+    if kw.get("enable_prefix_caching"):
+        again = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS])
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_sampled_drafts_under_graphs(model):
+    """Sampled requests under graphs: the draft graph's block forward, the Markov head drawn
+    with the engine's sampler outside it; seeded outputs equal the eager engine's exactly (the
+    same drafts, the same q, the same acceptance draws)."""
+    prompts = _prompts([5, 11])
+    ps = [SamplingParams(max_tokens=8, temperature=1.3, top_k=3, seed=7 + i, ignore_eos=True) for i in range(2)]
+    a = LLM(model, num_speculative_tokens=2, dspark_threshold=0.0, max_model_len=64).generate(prompts, ps)
+    llm = LLM(model, num_speculative_tokens=2, dspark_threshold=0.0, max_model_len=64, cuda_graphs=True)
+    b = llm.generate(prompts, ps)
+    assert llm.engine.runner.dspark.graph_steps > 0
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
 def _ring_matches_full_forward(model, eng, req):
@@ -293,8 +352,9 @@ def test_method_selection_and_validation(model, caplog):
         LLM(model, num_speculative_tokens=2, swa_replay_window=8)
     with caplog.at_level(logging.WARNING, logger="deepfuse.engine"):
         llm = LLM(model, num_speculative_tokens=2, overlap=True, cuda_graphs=True, max_model_len=32)
-    assert "overlap turned off" in caplog.text
-    assert not llm.engine.overlap and llm.engine.runner.graphs is None
+    assert "turned off" not in caplog.text  # DSpark runs with graphs and overlap as asked
+    assert llm.engine.overlap and llm.engine.runner.graphs is not None
+    assert llm.engine.runner.graphs.features is llm.engine.runner.dspark and not llm.engine.runner.graphs.mtp_graphs
     p = _prompts([4])[0]
     assert _greedy_ok(model, p, llm.generate([p], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids)
 

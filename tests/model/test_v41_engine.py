@@ -122,3 +122,37 @@ def test_cuda_graph_decode_equals_full_forward(placement):
                 seq = torch.tensor([p + o.token_ids], device="cuda")
                 want = model(seq)[0, len(p) - 1:-1].argmax(-1).tolist()
                 assert o.token_ids == want, (kw, len(p))
+
+
+@pytest.mark.gpu
+def test_cuda_dspark_graphs_equal_full_forward():
+    """DSpark under CUDA graphs and overlap on the GPU: the target graphs compute the context rows,
+    the drafts replay the draft graphs (the eager propose never runs), greedy outputs equal the
+    full forward's on the same CUDA model (fp32); threshold 0 (every verify step uniform) and 0.5
+    (ragged verification lengths: eager target steps, graphed drafts)."""
+    import dataclasses
+
+    from deepfuse.models import tiny
+    from deepfuse.models.v41_config import V41Config
+    from deepfuse.models.v41_random import random_model
+
+    cfg = dataclasses.replace(V41Config.from_dict(tiny.CONFIG_V41), engram_placement="host").validate()
+    model = random_model(cfg, device="cuda", dtype=torch.float32, quant=None, expert_quant=None, seed=5)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 16, 27)]
+    for th, kw in ((0.0, dict(overlap=True)), (0.5, dict(max_num_batched_tokens=7, enable_prefix_caching=True))):
+        llm = LLM(model, max_model_len=96, cuda_graphs=True, num_speculative_tokens=3, dspark_threshold=th, **kw)
+        ds = llm.engine.runner.dspark
+        assert ds.graphs is not None and ds.draft_graphs and all(d.graph is not None for d in ds.draft_graphs.values())
+        calls = []
+        orig = ds.drafter.propose
+        ds.drafter.propose = lambda *a, **k: calls.append(1) or orig(*a, **k)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+        assert not calls and ds.graph_steps > 0
+        if th == 0.0:
+            assert llm.engine.stats()["spec"]["verify_steps"] > 0
+        with torch.no_grad():
+            for p, o in zip(prompts, outs):
+                seq = torch.tensor([p + o.token_ids], device="cuda")
+                want = model(seq)[0, len(p) - 1:-1].argmax(-1).tolist()
+                assert o.token_ids == want, (th, kw, len(p))

@@ -108,8 +108,114 @@ def test_encoder_replay_window_is_bounded(model, P, n):
     assert 1e-4 < err <= BOUND, err  # the window-only rebuild is approximate, and bounded
 
 
-if __name__ == "__main__":  # the deviation table of docs/notes/v41.md
+# ---------------------------------------------------------------- in the engine (EngineConfig.swa_encoder_replay)
+def engine_run(Ke, prompt, hit_prompt, new=NEW, **kw):
+    """LLM("tiny-v4.1") with prefix caching: hit_prompt (64 tokens: one prefix entry) first, then
+    prompt (which starts with it: a hit at 64) -> (its tokens, its logits rows, the engine)."""
+    from deepfuse.engine import LLM
+    from deepfuse.engine.request import SamplingParams
+
+    llm = LLM("tiny-v4.1", max_model_len=160, enable_prefix_caching=True, swa_encoder_replay=Ke, **kw)
+    llm.generate([hit_prompt], SamplingParams(max_tokens=1))
+    llm.engine.runner.captured = []
+    out = llm.generate([prompt], SamplingParams(max_tokens=new))[0]
+    rows = [lg[i] for ids, lg in llm.engine.runner.captured for i in range(len(ids))]
+    return out.token_ids, rows, llm.engine
+
+
+def _prompt(model, P, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.cfg.vocab_size, (P,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("Ke,kw", [(8, {}), (8, dict(overlap=True, max_num_batched_tokens=9)), (20, {}),
+                                   (56, dict(max_num_batched_tokens=60))])
+def test_engine_encoder_replay_equals_step_definition(model, Ke, kw):
+    """The engine with swa_encoder_replay = Ke equals the step-level definition (run: windows
+    garbage after n = 64, the replay step over [64 - Ke, 64), then the rest) token for token and
+    every logits row to 1e-4; at Ke = 56 (the halo) that is the exact run."""
+    prompt = _prompt(model, 75, 3)
+    toks, rows, eng = engine_run(Ke, prompt, prompt[:64], **kw)
+    ref_t, ref_r, _ = run(model, prompt, 64, Ke)
+    assert eng.prefix.num_hits >= 1 and eng.runner.encoder_replay.replays >= 1
+    assert eng.runner.encoder_replay.replayed_tokens == Ke * eng.runner.encoder_replay.replays
+    assert toks == ref_t, (Ke, kw)
+    assert len(rows) == len(ref_r)
+    for a, b in zip(rows, ref_r):
+        assert float((a - b).abs().max()) <= 1e-4
+    exact_t, exact_r, _ = run(model, prompt)
+    err = float((rows[0] - exact_r[0]).abs().max())
+    if Ke >= 56:
+        assert toks == exact_t and err <= 1e-4
+    else:
+        assert err > 1e-4  # the replay ran and is approximate
+
+
+def test_engine_encoder_replay_settings_and_memory():
+    from deepfuse.engine import LLM
+
+    a = LLM("tiny-v4.1", max_model_len=160, enable_prefix_caching=True)
+    b = LLM("tiny-v4.1", max_model_len=160, enable_prefix_caching=True, swa_encoder_replay=8)
+    assert b.engine.runner.encoder_replay is not None and a.engine.runner.encoder_replay is None
+    # the saved prefixes hold no window pages: the ring shrinks by prefix_cache_entries pages
+    ra, rb = a.engine.cache.ring, b.engine.cache.ring
+    assert ra.shape[1] - rb.shape[1] == a.engine.config.prefix_cache_entries
+    assert b.engine.cache.nbytes() < a.engine.cache.nbytes()
+    for kw, field in [(dict(swa_encoder_replay=4), "sliding window"), (dict(swa_encoder_replay=8.0), "int"),
+                      (dict(swa_encoder_replay=-1), "int >= 0"),
+                      (dict(swa_encoder_replay=16, max_num_batched_tokens=12), "max_num_batched_tokens")]:
+        with pytest.raises(ValueError, match="swa_encoder_replay"):
+            LLM("tiny-v4.1", max_model_len=160, enable_prefix_caching=True, **kw)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM("tiny-v4.1", max_model_len=160, swa_encoder_replay=8)
+    with pytest.raises(ValueError, match="swa_replay_window"):
+        LLM("tiny-v4.1", max_model_len=160, enable_prefix_caching=True, swa_encoder_replay=8, swa_replay_window=8)
+    with pytest.raises(ValueError, match="V4.1"):
+        LLM("tiny", max_model_len=160, enable_prefix_caching=True, swa_encoder_replay=8)
+
+
+def engine_table(seeds=10, new=8):
+    """The engine's deviation (docs/notes/v41.md "Encoder side in the engine"): per (Ke, P), hit
+    at 64, the windowed prefix engine (exact) vs swa_encoder_replay = Ke; first row = the first
+    sampled token's logits."""
+    from deepfuse.engine import LLM
+    from deepfuse.engine.request import SamplingParams
+
+    m = tiny.load("v4.1")
+    print("| Ke | P | first row max abs err | mean abs err | max err / max abs logit | argmax agree (first) "
+          "| greedy prefix agree | identical sequences |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for Ke in (8, 16, 32, 56):
+        for P in (72, 96, 128):
+            e1, mean, rel, agree, pref, same = [], [], [], 0, 0, 0
+            for s in range(seeds):
+                prompt = _prompt(m, P, 1000 * P + s)
+                outs = []
+                for k in (0, Ke):
+                    llm = LLM("tiny-v4.1", max_model_len=200, enable_prefix_caching=True, swa_encoder_replay=k)
+                    llm.generate([prompt[:64]], SamplingParams(max_tokens=1))
+                    llm.engine.runner.captured = []
+                    o = llm.generate([prompt], SamplingParams(max_tokens=new))[0]
+                    assert llm.engine.prefix.num_hits >= 1
+                    outs.append((o.token_ids, llm.engine.runner.captured[0][1][0]))
+                (t1, r1), (t2, r2) = outs
+                d = (r1 - r2).abs()
+                e1.append(float(d.max()))
+                mean.append(float(d.mean()))
+                rel.append(float(d.max() / r1.abs().max()))
+                agree += int(r1.argmax() == r2.argmax())
+                pref += next((i for i, (x, y) in enumerate(zip(t1, t2)) if x != y), len(t1))
+                same += int(t1 == t2)
+            print(f"| {Ke} | {P} | {max(e1):.3g} | {sum(mean) / seeds:.3g} | {max(rel):.3g} | {agree}/{seeds} | "
+                  f"{pref}/{seeds * new} | {same}/{seeds} |", flush=True)
+
+
+if __name__ == "__main__":  # the deviation tables of docs/notes/v41.md
+    import sys
     torch.set_num_threads(1)
+    if sys.argv[1:] == ["engine"]:
+        engine_table()
+        sys.exit(0)
     m = tiny.load("v4.1")
     print("| Ke | P | n | first row max abs err | max over rows | argmax agree (rows) | greedy prefix agree |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

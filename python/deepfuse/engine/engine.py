@@ -19,7 +19,7 @@ from .memory import finish_plan, plan_memory, resolve_kv_dtype
 from .model_runner import ModelRunner, StepBatch, StepResult, logits_rows
 from .request import Request, RequestOutput, SamplingParams, Status
 from .prefix_cache import PrefixCache
-from .replay import make_replay
+from .replay import make_encoder_replay, make_replay
 from .dspark_runner import dspark_config, make_dspark, spec_method
 from .engram_state import engine_prefetch
 from .scheduler import ScheduledChunk, Scheduler
@@ -45,6 +45,7 @@ class EngineConfig:
     spec_simulate_acc_len: Optional[float] = None  # benchmark knob: accept this many tokens per step on average
     cuda_graphs: Optional[bool] = None       # decode / verify steps replay captured graphs (None: on for CUDA)
     swa_replay_window: int = 0               # V4.1: late layers prefill only each prompt's last K tokens (approximate; 0: off)
+    swa_encoder_replay: int = 0              # V4.1: windowless prefix entries; a hit re-runs its last K tokens (approx.; 0: off)
     spec_method: Optional[str] = None        # "dspark" / "mtp"; None: DSpark if the model has a DSpark head, else MTP
     dspark_threshold: float = 0.5            # DSpark: verify the leading drafts with confidence >= this (0: all k)
     spec_draft_head: Optional[str] = None    # MTP drafts' lm head: "fp8" (an FP8 copy) / "model" (None: the model's)
@@ -99,7 +100,7 @@ class Engine:
         such an engine runs without graphs, overlap and prefix caching."""
         if peers is not None:
             config = dataclasses.replace(config, overlap=False, enable_prefix_caching=False, cuda_graphs=False)
-        config = dspark_config(model, config)  # DSpark drafting: eager, no overlap (engine/dspark_runner.py)
+        config = dspark_config(model, config)  # (DSpark drafting: engine/dspark_runner.py)
         config.validate()
         self.model, self.config = model, config
         cfg = model.cfg
@@ -134,9 +135,15 @@ class Engine:
             self.spec.stats.draft_head = "fp8" if self.draft_head is not None else "model"
         self.runner = ModelRunner(model, self.cache, graphs, spec=self.spec, peers=peers, draft_head=self.draft_head)
         self.runner.replay = make_replay(model, config)  # None unless swa_replay_window (engine/replay.py)
-        self.runner.dspark = make_dspark(model, config, self.cache)  # None unless DSpark drafts
+        self.runner.encoder_replay = make_encoder_replay(model, config)  # None unless swa_encoder_replay
+        self.runner.dspark = make_dspark(model, config, self.cache, graphs)  # None unless DSpark drafts
         # captured at start-up on CUDA (seconds, reported here); on the CPU padded steps run eagerly
         self.graph_capture_s = graphs.capture_all() if graphs is not None and graphs.capture else 0.0
+        if graphs is not None and graphs.capture and self.runner.dspark is not None:  # DSpark's draft graphs
+            r0 = graphs._reserved()
+            self.runner.dspark.capture_all()
+            graphs.pool_bytes += max(0, graphs._reserved() - r0)
+            self.graph_capture_s = graphs.capture_s
         finish_plan(self.memory_plan, self.cache, graphs, self.graph_capture_s)
         self._reqs: dict[str, Request] = {}
         self._aborted: list[Request] = []
@@ -151,8 +158,10 @@ class Engine:
 
     def _new_cache(self, total: int, max_len: int) -> CacheManager:
         c = self.config
-        cls = V41CacheManager if hasattr(self.model.cfg, "kv_source_layers") else CacheManager
-        return cls(self.model.cfg, model_dtype=self.model.dtype, device=self.model.device,
+        v41 = hasattr(self.model.cfg, "kv_source_layers")
+        cls = V41CacheManager if v41 else CacheManager
+        kw = {"prefix_windows": False} if v41 and c.swa_encoder_replay else {}  # (engine/replay.py EncoderReplay)
+        return cls(self.model.cfg, **kw, model_dtype=self.model.dtype, device=self.model.device,
                             kv_dtype=self.kv_dtype, max_num_seqs=c.max_num_seqs,
                             max_num_batched_tokens=c.max_num_batched_tokens, max_total_tokens=total,
                             max_model_len=max_len, page_size=c.page_size, num_draft_tokens=c.num_speculative_tokens,
@@ -161,8 +170,9 @@ class Engine:
 
     def _new_graphs(self, cache: CacheManager) -> GraphRunner:
         k = self.config.num_speculative_tokens
+        mtp = bool(k) and spec_method(self.model, self.config) == "mtp"  # (DSpark: engine/dspark_runner.py)
         return GraphRunner(self.model, cache, max_reqs=self.config.max_num_seqs, tokens=(1, k + 1) if k else (1,),
-                           mtp=bool(k), draft_head=self.draft_head)
+                           mtp=mtp, return_streams=bool(k), draft_head=self.draft_head)
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt_token_ids, params: Optional[SamplingParams]) -> tuple[list[int], SamplingParams]:

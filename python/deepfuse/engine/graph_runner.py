@@ -27,6 +27,10 @@ pass, the MTP replay and k - 1 chain replays, each with its draft sampling. A st
 greedy requests only (no logprobs or constraints) replays ONE graph
 per (bucket, T) instead: target, acceptance, MTP pass and chained argmax drafts (_fused).
 
+DSpark (V4.1; `features` set to the engine's DSparkRunner): the target graphs also compute the
+draft stages' context rows of all their rows (kept as _Graph.feats); the drafts replay DSpark's
+own graphs (engine/dspark_runner.py); mtp is off.
+
 On the CPU (no graphs) the same padded static steps run eagerly: tests of the padding.
 """
 from __future__ import annotations
@@ -57,6 +61,7 @@ class _Graph:
     fused: Optional[tuple] = None     # greedy speculative step in one graph: (graph or None, draft slots [bucket], outputs)
     last: Optional[tuple] = None      # CPU: (padded context, outputs) of the last run (the MTP pass reads them)
     extra: dict = None                # the model's static step inputs (model.step_buffers: V4.1's Engram history)
+    feats: Optional[torch.Tensor] = None  # DSpark: the context rows of the step's rows (features.forward_with_rows)
 
 
 @dataclass
@@ -107,6 +112,7 @@ class GraphRunner:
         self.pool = None
         self.capture_s = 0.0
         self.pool_bytes = 0  # reserved memory the capture added (CUDA)
+        self.features = None  # DSpark drafting (engine/dspark_runner.py): steps also compute its context rows
 
     # ------------------------------------------------------------------ shapes
     def key(self, counts: np.ndarray, num_logits: np.ndarray) -> Optional[tuple[int, int]]:
@@ -147,7 +153,7 @@ class GraphRunner:
         def fwd(c):
             for name, t in extra.items():  # static inputs the engine fills before each replay
                 setattr(c, name, t)
-            return self.model.forward_step(c, self.cache, return_streams=self.return_streams)
+            return self._forward(c)[0]
 
         if not self.capture:
             ctx = device_context(hc, d, geom, self.cache.block_tables, self.device)
@@ -167,9 +173,11 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(g, pool=self.pool), torch.no_grad():
             ctx = device_context(hc, d, geom, self.cache.block_tables, self.device)
-            out = fwd(ctx)
+            for name, t in extra.items():
+                setattr(ctx, name, t)
+            out, feats = self._forward(ctx)
         torch.cuda.synchronize(self.device)
-        gr = _Graph(pad, buf, hc, d, ctx, g, out, extra=extra)
+        gr = _Graph(pad, buf, hc, d, ctx, g, out, extra=extra, feats=feats)
         if self.mtp_graphs:
             nxt = torch.zeros(bucket * T, dtype=torch.int64, device=self.device)
             rows = torch.zeros(bucket, dtype=torch.int64, device=self.device)
@@ -180,6 +188,12 @@ class GraphRunner:
             gr.fused = (self._capture(lambda: self._fused(hc, d, *st[:4])), st, self._outs)
         self.capture_s += time.perf_counter() - t0
         return gr
+
+    def _forward(self, c: StepContext):
+        """The model's step forward -> (its outputs, DSpark's context rows or None)."""
+        if self.features is not None:
+            return self.features.forward_with_rows(c, self.cache, self.return_streams)
+        return self.model.forward_step(c, self.cache, return_streams=self.return_streams), None
 
     def _capture(self, fn) -> "torch.cuda.CUDAGraph":
         """Capture fn() (warmed up on a side stream first) into a graph of the shared pool;
@@ -283,7 +297,7 @@ class GraphRunner:
             for name, t in (g.extra or {}).items():
                 setattr(c, name, t)
             with torch.no_grad():
-                out = self.model.forward_step(c, self.cache, return_streams=self.return_streams)
+                out, g.feats = self._forward(c)
             g.last = (c, out)
         R, N = len(ctx.logits_req), ctx.num_tokens
         if self.return_streams:

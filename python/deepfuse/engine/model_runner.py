@@ -205,6 +205,7 @@ class ModelRunner:
         self.captured: Optional[list] = None  # set to [] to keep (request ids, logits) of every step (tests)
         self.fused_steps = 0  # steps run as one fused greedy speculative graph (GraphRunner.fused)
         self.replay = None  # V4.1 decoder-side bounded replay (engine/replay.py; set by the engine)
+        self.encoder_replay = None  # V4.1 encoder-side replay on windowless prefix hits (engine/replay.py)
         self.dspark = None  # DSpark drafting instead of the MTP chain (engine/dspark_runner.py; set by the engine)
         self.early_steps = 0  # verify steps launched before the previous step's acceptance was read back
         # early steps need the context from device starts: not with tensor parallel peers (the host
@@ -314,10 +315,13 @@ class ModelRunner:
     def launch(self, batch: StepBatch, prev: Optional[StepResult] = None) -> _Launched:
         """The first half of run: context and the target's forward (no host input after it
         but the constraints' masks, which finish applies)."""
+        if self.encoder_replay is not None:  # windowless prefix hits: rebuild their windows first
+            self.encoder_replay.run(self, batch)
         ctx = self.prepare(batch, prev)
         if self._fusable(batch, ctx):  # one replay does the whole step (finish)
             return _Launched(batch, ctx, None, None, fused=True)
-        with self.dspark.capture() if self.dspark is not None else contextlib.nullcontext():
+        cap = self.dspark is not None and ctx.graph is None  # (graph steps: the graph computes DSpark's rows)
+        with self.dspark.capture() if cap else contextlib.nullcontext():
             out = self.forward(batch.chunks, ctx, return_streams=self.k > 0)
         logits, streams = out if self.k else (out, None)
         return _Launched(batch, ctx, logits, streams)

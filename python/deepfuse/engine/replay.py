@@ -141,6 +141,93 @@ def make_replay(model, config) -> Optional[ReplayPlanner]:
     return ReplayPlanner(model.cfg, K)
 
 
+class EncoderReplay:
+    """Encoder-side SWA bounded replay in the engine (APPROXIMATE; EngineConfig.swa_encoder_replay =
+    Ke > 0; off by default). With it the prefix cache keeps no window rows (V41CacheManager with
+    prefix_windows=False: the saved-window pages are not allocated, snapshots copy none), and a
+    request restored from an entry of n tokens marks its ReqCache (replay_from = n). Before the
+    step that runs the request's first chunk (ModelRunner.launch), run() re-runs its tokens
+    [n - min(Ke, n), n) in a step of their own (no logits; encoder_replay_context: every layer,
+    windows read nothing below the replayed start, no compressor runs), which rewrites the window
+    rows the entry did not keep; the entry's compressed rows, indexer keys and open compressor
+    groups are used as cached. Ke >= the all-layer dependency halo ((window - 1) * layers) would be
+    exact; below it the windows of the first replayed rows are short, so outputs differ
+    (docs/notes/v41.md "Encoder side in the engine" has the measured deviation)."""
+
+    def __init__(self, model, config):
+        Ke = config.swa_encoder_replay
+        if isinstance(Ke, bool) or not isinstance(Ke, int) or Ke < 0:
+            raise ValueError(f"deepfuse: swa_encoder_replay must be an int >= 0 (0 = off), got {Ke!r}")
+        cfg = model.cfg
+        if not hasattr(cfg, "kv_source_layers"):
+            raise ValueError("deepfuse: swa_encoder_replay needs a DeepSeek V4.1 model; this model is not one")
+        if Ke < cfg.sliding_window:
+            raise ValueError(f"deepfuse: swa_encoder_replay ({Ke}) must be 0 or >= the sliding window "
+                             f"({cfg.sliding_window}): the replay rebuilds the last window rows of every layer")
+        if Ke > config.max_num_batched_tokens:
+            raise ValueError(f"deepfuse: swa_encoder_replay ({Ke}) must be <= max_num_batched_tokens "
+                             f"({config.max_num_batched_tokens}): a replay runs in one step")
+        if not config.enable_prefix_caching:
+            raise ValueError("deepfuse: swa_encoder_replay needs enable_prefix_caching (it replays on prefix hits)")
+        if config.swa_replay_window:
+            raise ValueError("deepfuse: swa_encoder_replay together with swa_replay_window is not supported")
+        self.K, self.budget = Ke, config.max_num_batched_tokens
+        self.steps = 0            # replay steps run
+        self.replays = 0          # prefix hits replayed
+        self.replayed_tokens = 0  # tokens the replays re-ran
+
+    def run(self, runner, batch) -> None:
+        """Run the replay steps of the batch's requests restored from a windowless prefix entry
+        (before the batch's own forward; same stream)."""
+        from .scheduler import ScheduledChunk  # (scheduler imports nothing of this module)
+        todo = []
+        for c in batch.chunks:
+            rc = c.req.cache
+            n = getattr(rc, "replay_from", None)
+            if n is None:
+                continue
+            rc.replay_from = None
+            if c.start != n:  # (not the hit's first chunk: nothing to rebuild any more)
+                continue
+            k = min(self.K, n)
+            todo.append(ScheduledChunk(c.req, n - k, k))
+        while todo:
+            group, total = [], 0
+            while todo and total + todo[0].count <= self.budget:
+                total += todo[0].count
+                group.append(todo.pop(0))
+            self._step(runner, group)
+
+    @torch.no_grad()
+    def _step(self, runner, chunks) -> None:
+        from .context import build_context
+        from .engram_state import engram_history
+        cache, dev, model = runner.cache, runner.device, runner.model
+        ids = np.concatenate([np.asarray(c.req.tokens(c.start, c.start + c.count), np.int64) for c in chunks])
+        B = len(chunks)
+        ctx = build_context(ids, np.array([c.start for c in chunks], np.int64),
+                            np.array([c.count for c in chunks], np.int64),
+                            np.array([c.req.cache.slot for c in chunks], np.int64), np.zeros(B, np.int64),
+                            cache.geometry, cache.block_tables, dev, cache.host_block_tables)
+        hasher = getattr(model, "engram_hasher", None)
+        if hasher is not None:
+            ctx.engram_history = to_device(engram_history(chunks, hasher.token_map.numpy(), hasher.max_ngram),
+                                           torch.int64, dev)
+        encoder_replay_context(ctx)
+        model.forward_step(ctx, cache)
+        self.steps += 1
+        self.replays += B
+        self.replayed_tokens += len(ids)
+
+
+def make_encoder_replay(model, config) -> Optional[EncoderReplay]:
+    """The engine's encoder-side replay: None when EngineConfig.swa_encoder_replay is 0 (off)."""
+    K = getattr(config, "swa_encoder_replay", 0)
+    if isinstance(K, int) and not isinstance(K, bool) and K == 0:
+        return None
+    return EncoderReplay(model, config)
+
+
 def encoder_replay_context(ctx) -> None:
     """Encoder-side SWA bounded replay (APPROXIMATE; SGLang encoder_swa_replay, vLLM PR 56227):
     turn a step context whose chunks re-run the last Ke tokens before a prefix hit of n tokens

@@ -29,8 +29,10 @@ class V41CacheManager(CacheManager):
     def __init__(self, cfg, *, model_dtype: torch.dtype, device, kv_dtype: str = "auto", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_total_tokens: int = 65536, max_model_len: int = 65536,
                  page_size: int = 64, num_draft_tokens: int = 0, num_mtp_layers: int = 0,
-                 num_saved_prefixes: int = 0):
+                 num_saved_prefixes: int = 0, prefix_windows: bool = True):
         # num_mtp_layers: unused (the DSpark stages keep no KV cache)
+        # prefix_windows False: saved prefixes keep no window rows (encoder-side replay rebuilds them
+        # on a hit: engine/replay.py EncoderReplay); their ring pages are not allocated
         if num_draft_tokens and not (cfg.dspark_block_size and cfg.dspark_target_layer_ids
                                      and cfg.num_nextn_predict_layers):
             raise ValueError("deepfuse: num_draft_tokens > 0 needs a DSpark head (dspark_block_size, "
@@ -46,7 +48,11 @@ class V41CacheManager(CacheManager):
         sources = list(cfg.kv_source_layers)
         ratios = sorted({cfg.ratios[j] for j in sources}, reverse=True)
         self.geometry = CacheGeometry(W, W + extra, Wp, S * Wp, tuple((r, False) for r in ratios), ps, extra)
-        self._init_ring(L, Wp, scratch, num_saved_prefixes)
+        self.prefix_windows = prefix_windows
+        self._init_ring(L, Wp, scratch, num_saved_prefixes if prefix_windows else 0)
+        if not prefix_windows:  # ring pages: request slots, scratch, trash (no saved windows)
+            self.num_saved = num_saved_prefixes
+            self._saved_free = list(range(num_saved_prefixes - 1, -1, -1))
         self.source_pos = {j: [s for s in sources if cfg.ratios[s] == cfg.ratios[j]].index(j) for j in sources}
         self.state_rows, self.pools, self.comp, self.keys, self.states = {}, {}, {}, {}, {}
         self.block_tables, self.host_block_tables = {}, {}
@@ -91,9 +97,17 @@ class V41CacheManager(CacheManager):
         if len(src_rows):  # ratio 1 keeps no open group
             super()._copy_states(r, src_rows, dst_rows)
 
+    def _copy_window(self, src_page: int, src_rows, dst_page: int, dst_rows) -> None:
+        if not self.prefix_windows and max(src_page, dst_page) >= self.saved_base:
+            return  # windowless prefix entries (encoder-side replay)
+        super()._copy_window(src_page, src_rows, dst_page, dst_rows)
+
     def restore(self, rc, snap) -> None:
-        """CacheManager.restore, whose copy of the partial last page also covers the keys."""
+        """CacheManager.restore, whose copy of the partial last page also covers the keys. Without
+        prefix windows rc is marked (replay_from: the hit's tokens) for the encoder-side replay."""
         super().restore(rc, snap)
+        if not self.prefix_windows:
+            rc.replay_from = snap.tokens
         if self.dspark is not None:
             self.dspark.load(snap.slot, rc.slot)
         for r, pages in snap.pages.items():

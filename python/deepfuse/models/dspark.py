@@ -153,6 +153,14 @@ class DSparkDrafter:
             return self._propose(anchor, anchor_pos, rows, row_pos, k, temperature, generator, sample)
 
     def _propose(self, anchor, anchor_pos, rows, row_pos, k, temperature, generator, sample) -> DSparkDraft:
+        hid, base = self.block(anchor, anchor_pos, rows, row_pos, k)
+        return self.head(hid, base, anchor, k, temperature, generator, sample)
+
+    def block(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, rows: list[torch.Tensor], row_pos: torch.Tensor,
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft stages' forward of propose (no validation, no host read: a CUDA graph may
+        capture it) -> (hid [B, k, d]: the collapsed streams of block rows 0..k-1 before the
+        norm, base [B, k, vocab] fp32: head(norm(hid)))."""
         m, cfg = self.model, self.cfg
         S, B = self.block_size, anchor.shape[0]
         dev = anchor.device
@@ -179,7 +187,15 @@ class DSparkDrafter:
 
         last = self.stages[-1]
         hid = hc_collapse(x, pre)[:, :k]                                   # [B, k, d], before the norm
-        base = m.head(last.norm(hid)).float()
+        return hid, m.head(last.norm(hid)).float()
+
+    def head(self, hid: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor, k: int, temperature: float = 0.0,
+             generator: Optional[torch.Generator] = None, sample: Optional[Callable] = None,
+             keep_logits: bool = True) -> DSparkDraft:
+        """The Markov head's left-to-right draws and the confidences of propose from block's
+        (hid, base) (greedy without sample and temperature: no host read, capturable);
+        keep_logits False: DSparkDraft.logits is None."""
+        last = self.stages[-1]
         markov = last.markov_head
         prev = anchor.to(torch.int64)
         toks, logits, embs, logqs = [], [], [], []
@@ -196,12 +212,14 @@ class DSparkDrafter:
                 noise = torch.empty_like(p).exponential_(1, generator=generator)
                 prev = (p / noise).argmax(-1)
             toks.append(prev)
-            logits.append(li)
+            if keep_logits:
+                logits.append(li)
             embs.append(e)
         feats = torch.cat([hid, torch.stack(embs, 1).to(hid.dtype)], dim=-1).float()
         conf = torch.sigmoid(torch.nn.functional.linear(feats, last.confidence_head.proj.dense_weight(torch.float32)))
         logq = torch.stack(logqs, 1) if logqs and logqs[0] is not None else None
-        return DSparkDraft(torch.stack(toks, 1), torch.stack(logits, 1), conf.squeeze(-1), logq)
+        return DSparkDraft(torch.stack(toks, 1), torch.stack(logits, 1) if keep_logits else None, conf.squeeze(-1),
+                           logq)
 
     def draft(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, main_hidden: torch.Tensor,
               positions: torch.Tensor, **kw) -> DSparkDraft:
