@@ -103,10 +103,12 @@ def routing(T, E, k, kind, g):
 
 @pytest.fixture(params=["stream", "grouped"])
 def path(request, monkeypatch):
-    """moe_experts' decode path (T <= 256): the streaming kernels (moe_stream.cu) or the grouped
-    kernels; larger T runs the grouped kernels either way."""
+    """moe_experts' default paths ("stream": T <= 256 the streaming kernels (moe_stream.cu), fp8
+    from T = 257 the prefill kernels (moe_prefill.cu), mxfp4 there the grouped kernels) or the
+    grouped kernels at every T ("grouped")."""
     monkeypatch.setattr(M, "STREAM_MAX_T", 256 if request.param == "stream" else 0)
     monkeypatch.setattr(M, "STREAM_MIN_T", {})
+    monkeypatch.setattr(M, "PREFILL_MIN_T", 257 if request.param == "stream" else 0)
     return request.param
 
 
@@ -196,7 +198,7 @@ def test_moe_experts_fp8_tails_and_fp32_x(T, d, I, path):
 @pytest.mark.parametrize("T", [1, 64, 16384])
 def test_moe_experts_v4_flash_shape(fmt, T, path):
     if T > 256 and path == "grouped":
-        pytest.skip("T > 256 runs the grouped kernels on both settings")
+        pytest.skip("T > 256: the default path only (grouped kernels: the other cases)")
     E, d, I, k = 256, 4096, 2048, 6
     g = torch.Generator(device=DEV).manual_seed(T)
     ex, sh = make_experts(E, I, d, fmt, seed=1, shared=True)
@@ -341,8 +343,9 @@ def test_moe_sanitize_small():
     M.STREAM_MIN_T = {}
     for fmt, spread, T in (("fp8", 0, 1), ("mxfp4", 0, 2), ("mxfp4", 40, 2), ("fp8", 0, 300), ("mxfp4", 0, 300),
                            ("fp8", 0, 40), ("mxfp4", 40, 40)):
-        for smt in ((0, 256) if T <= 256 else (256,)):
+        for smt in (0, 256):  # T > 256: 0 = the grouped kernels, 256 = the default (fp8: prefill kernels)
             M.STREAM_MAX_T = smt
+            M.PREFILL_MIN_T = 0 if smt == 0 else keep[2]
             g = torch.Generator(device=DEV).manual_seed(T)
             ex, sh = make_experts(4, 256, 256, fmt, seed=T, shared=True, spread=spread)
             x = torch.randn(T, 256, device=DEV, generator=g).to(torch.bfloat16)

@@ -23,7 +23,8 @@ activation cast (per token per 128, fp32 scales), GEMM1 (w1 | w3 with the clampe
 epilogue), the cast of h, GEMM2 (times the routing weight) and a combine that sums each token's
 slots in order (deterministic). At decode (T <= STREAM_MAX_T = 256) both GEMMs
 run as persistent warp-specialised TMA weight-streaming kernels (csrc/moe/moe_stream.cu) with the
-two casts fused into them (same roundings). FP8 e4m3 MMAs with fp32 accumulation; MXFP4 weights are decoded
+two casts fused into them (same roundings); fp8 from T = PREFILL_MIN_T (257) on, as persistent
+warp-specialised TMA GEMMs with the tokens on wgmma's M side (csrc/moe/moe_prefill.cu). FP8 e4m3 MMAs with fp32 accumulation; MXFP4 weights are decoded
 to e4m3 in shared memory. Activations are quantised there (the reference does not): the error
 bound in tests/ops/test_moe_gpu.py states what that costs. No host sync; graph-capturable. No
 repacking: the kernels read the checkpoint layouts as stored. Other inputs on CUDA (dense
@@ -54,9 +55,9 @@ STREAM_MAX_T = 256
 # ... and from this T on per weight format (fp8 at T = 1: the grouped kernels measured faster, H200)
 STREAM_MIN_T = {"fp8": 2, "mxfp4": 1}
 # fp8 moe_experts on CUDA from this T on (> 256; 0: never) runs the prefill kernels (csrc/moe/moe_prefill.cu:
-# tokens on wgmma's M side, TMA producer warp + two consumer warpgroups, persistent tiles); off until
-# validated on the GPU.
-PREFILL_MIN_T = 0
+# tokens on wgmma's M side, TMA producer warp + two consumer warpgroups, persistent tiles). H200: 1.9-2.05x
+# the grouped kernels at T 512 / 4096 / 16384 (docs/notes/moe.md, "The prefill path").
+PREFILL_MIN_T = 257
 
 
 def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
