@@ -52,8 +52,9 @@ AttnPlan sparse_attention_plan(int T, int H, int K_total, int G);
 int64_t sparse_attention_workspace_floats(int T, int H, int splits);
 
 // The warp-specialised wgmma kernel (sparse_decode_sm90.cu): covers G == 1, H 64 / 128, FP8
-// (or absent) sources; used when enabled (DEEPFUSE_SPARSE_DECODE=1 / 0 overrides the default).
-constexpr bool kSparseDecodeDefault = false;
+// (or absent) sources; used when enabled: on by default (GPU tests + memcheck on the H200,
+// 2026-12-03); DEEPFUSE_SPARSE_DECODE=0 / 1 overrides the default.
+constexpr bool kSparseDecodeDefault = true;
 bool sparse_decode_covers(const AttnParams& p);
 bool sparse_decode_enabled();
 void sparse_decode_launch(const AttnParams& p, cudaStream_t stream);  // main kernel only

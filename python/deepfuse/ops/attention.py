@@ -232,7 +232,8 @@ def sparse_attention_plan(T: int, H: int, K: int, *, rows_per_request: int = 1, 
     share=True groups a request's rows into one cluster (group_rows = rows_per_request), which
     fetches each key their lists hold at the same position once; measured on the H200
     (docs/notes/attention.md) this is still slower than share=False (group_rows = 1), the
-    default. Host only: no device work, no sync. Without a CUDA device (or kernels) the
+    default, which also selects the warp-specialised wgmma kernel for FP8 pages (group_rows
+    > 1 runs the mma.sync kernel). Host only: no device work, no sync. Without a CUDA device (or kernels) the
     plan has one split."""
     op = "sparse_attention_plan"
     check_int(op, "T", T, lo=0)
