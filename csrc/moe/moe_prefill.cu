@@ -2,14 +2,15 @@
 // deepfuse/ops/moe.py; the plan, combine and the other paths: moe_experts.cu, moe_stream.cu).
 //
 // Tokens are wgmma's M side (a tile is one task's 128 positions, two warpgroups of 64 rows), the
-// weights its N side (128 rows per tile: GEMM1 64 w1 rows + the 64 w3 rows of the same columns,
-// GEMM2 128 w2 rows), so every weight tile is read once per task and each MMA is m64n128k32.
+// weights its N side (BN = 128 or 256 rows per tile: GEMM1 BN / 2 w1 rows + the w3 rows of the same
+// columns, GEMM2 BN w2 rows), so every weight tile is read once per task; each MMA is m64n128k32
+// (BN = 256: two groups per chunk, the producer warpgroup's registers moved to the consumers).
 // - The activations are laid out in position order first (gather_cast_kernel: x through the
 //   plan's token rows, or h as is -> e4m3 rows + fp32 scales per 128, fp8_group_cast's math, bit
 //   identical; the scales transposed [K / 128, P] so that a tile's 128 row scales of one chunk are
 //   one TMA box). A task's rows are then a contiguous box of 128 rows: rows past the
 //   task's end (the next expert's, or zero-filled past the buffer) are computed and not stored.
-// - Persistent CTAs (one per SM, 288 threads) walk the tiles (task, n-tile) with a stride of the
+// - Persistent CTAs (one per SM, 384 threads) walk the tiles (task, n-tile) with a stride of the
 //   grid, n-tile fastest (the CTAs in flight share a task's activations in L2; an expert's weights
 //   are read once per task).
 // - Producer warp: per 128-K chunk one stage = A box (16 KB) + B boxes (16 KB) + the 128 row
@@ -44,12 +45,10 @@ namespace deepfuse {
 namespace {
 
 constexpr int kBM = 128;                  // positions per tile
-constexpr int kBN = 128;                  // weight rows per tile
 constexpr int kConsumers = 256;           // two warpgroups
-constexpr int kThreads = kConsumers + 32; // + the producer warp
-constexpr int kStageA = kBM * 128, kStageB = kBN * 128, kStage = kStageA + kStageB;
-constexpr int kStages = 6;
-constexpr int kMaxKB = 128;               // K <= 16384 (the producer's scale registers)
+constexpr int kThreads = kConsumers + 128; // + the producer warpgroup (one warp issues)
+constexpr int kStageA = kBM * 128;
+constexpr int kMaxKB = 64;                // K <= 8192 (the op's limit; the producer's scale registers)
 // A tile's row scales of one chunk: a TMA box of kASBox fp32 from the task's first row rounded
 // down to a multiple of 4 (a box's global start must be 16-byte aligned); kASStride per stage
 constexpr int kASBox = kBM + 4, kASStride = 160;
@@ -76,11 +75,21 @@ struct Args {
   int rotate;             // 1: each tile walks K from a chunk that depends on (n-tile, expert) only
 };
 
-// shared memory (from a 1024-aligned base): ring, row scales, weight scales, barriers
-constexpr int kOffAS = kStages * kStage;
-constexpr int kOffWS = kOffAS + kStages * kASStride * 4;
-constexpr int kOffBar = kOffWS + kStages * 2 * 4;
-constexpr int kSmem = kOffBar + 2 * kStages * 8 + 1024;
+// BN weight rows per tile (128 or 256: NH halves of 128 = one m64n128k32 wgmma group each per
+// warpgroup). GEMM1: the w1 rows of BN / 2 columns, then the w3 rows of the same columns; GEMM2: BN
+// w2 rows. Weight block scales: GEMM1 w1 | w3 (each tile inside one 128-row block); GEMM2 BN = 256
+// one block per half. Shared memory (from a 1024-aligned base): ring, row scales, weight scales, barriers.
+template <int BN>
+struct Cfg {
+  static constexpr int NH = BN / 128;
+  static constexpr int kStageB = BN * 128, kStage = kStageA + kStageB;
+  static constexpr int kStages = BN == 128 ? 6 : 4;
+  static constexpr int kOffAS = kStages * kStage;
+  static constexpr int kOffWS = kOffAS + kStages * kASStride * 4;
+  static constexpr int kOffBar = kOffWS + kStages * 2 * 4;
+  static constexpr int kSmem = kOffBar + 2 * kStages * 8 + 1024;
+  static_assert(kSmem <= 227 * 1024, "shared memory");
+};
 
 // ---------------------------------------------------------------------------------------------
 // src rows (through rows[], or the position itself) -> q [P, K] e4m3 + sT [K / 128, Pp] fp32 for
@@ -129,14 +138,16 @@ __device__ __forceinline__ float sel4(const float (&r)[kMaxKB / 32], int j) {
   return v;
 }
 
-template <bool SWIGLU>
+template <bool SWIGLU, int BN>
 __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, const __grid_constant__ Maps maps) {
 #if DEEPFUSE_SM90A_DEVICE
+  using C = Cfg<BN>;
+  constexpr int kStages = C::kStages, kStage = C::kStage, kStageB = C::kStageB, NH = C::NH;
   extern __shared__ char smem_raw[];
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  float* sAS = reinterpret_cast<float*>(base + kOffAS);
-  float* sWS = reinterpret_cast<float*>(base + kOffWS);
-  uint64_t* full = reinterpret_cast<uint64_t*>(base + kOffBar);
+  float* sAS = reinterpret_cast<float*>(base + C::kOffAS);
+  float* sWS = reinterpret_cast<float*>(base + C::kOffWS);
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + C::kOffBar);
   uint64_t* empty = full + kStages;
   const int tid = threadIdx.x;
   const int total = *a.ntasks * a.ntiles;
@@ -151,30 +162,36 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
   __syncthreads();
   const int KB = a.KB;
 
-  if (tid >= kConsumers) {  // producer warp
+  // BN = 256 needs 128 + 64 accumulator registers per consumer thread: the producer warpgroup gives
+  // its registers to the consumers (384 threads launch at 168 each: 128 x 40 + 256 x 232 = 64512)
+  if (tid >= kConsumers) {  // producer warpgroup: warp 8 issues every stage
+    if constexpr (BN == 256) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (tid >= kConsumers + 32) return;
     const int lane = tid & 31;
     int i = 0;
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
       const int task = tile / a.ntiles, t = tile % a.ntiles;
       const int e = a.tasks[task * 3], r0 = a.tasks[task * 3 + 1];
       const bool sh = e == a.E;
-      // the tile's weight block scales over K, lane l holding chunks l, l + 32, ...
-      const int nb = SWIGLU ? (t * 64) / 128 : t;
+      // the tile's weight block scales over K, lane l holding chunks l, l + 32, ...: r0s the first
+      // half's (GEMM1 BN = 128: the w1 rows), r1s the second's (the w3 rows; GEMM2 BN = 256: the next block)
+      const int nb0 = SWIGLU ? (t * (BN / 2)) / 128 : t * NH;
+      const int nb1 = SWIGLU ? nb0 : nb0 + 1;
       const void* sp0 = sh ? a.sscale0 : a.scale0;
       const void* sp1 = sh ? a.sscale1 : a.scale1;
       const bool u8 = sh ? a.sscale_u8 : a.scale_u8;
-      const int64_t soff = (static_cast<int64_t>(sh ? 0 : e) * a.NBw + nb) * KB;
+      const int64_t sbase = static_cast<int64_t>(sh ? 0 : e) * a.NBw;
+      const bool has1 = SWIGLU || (NH == 2 && nb1 < a.NBw);
       float r0s[kMaxKB / 32], r1s[kMaxKB / 32];
 #pragma unroll
       for (int j = 0; j < kMaxKB / 32; ++j) {
         const int kb = lane + 32 * j;
         r0s[j] = r1s[j] = 0.0f;
         if (kb < KB) {
-          r0s[j] = u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(sp0)[soff + kb])
-                      : static_cast<const float*>(sp0)[soff + kb];
-          if (SWIGLU)
-            r1s[j] = u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(sp1)[soff + kb])
-                        : static_cast<const float*>(sp1)[soff + kb];
+          const int64_t o0 = (sbase + nb0) * KB + kb, o1 = (sbase + nb1) * KB + kb;
+          r0s[j] = u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(sp0)[o0]) : static_cast<const float*>(sp0)[o0];
+          if (has1)
+            r1s[j] = u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(sp1)[o1]) : static_cast<const float*>(sp1)[o1];
         }
       }
       const CUtensorMap* m0 = sh ? &maps.s0 : &maps.w0;
@@ -184,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
       for (int u = 0; u < KB; ++u, ++i) {
         const int kb = u + rot < KB ? u + rot : u + rot - KB;
         const float w0 = __shfl_sync(0xffffffffu, sel4(r0s, kb >> 5), kb & 31);
-        const float w1 = SWIGLU ? __shfl_sync(0xffffffffu, sel4(r1s, kb >> 5), kb & 31) : w0;
+        const float w1 = SWIGLU || NH == 2 ? __shfl_sync(0xffffffffu, sel4(r1s, kb >> 5), kb & 31) : w0;
         if (lane == 0) {
           const int st = i % kStages;
           if (i >= kStages) tma::mbar_wait(tma::smem_u32(empty + st), ((i / kStages) - 1) & 1);
@@ -195,11 +212,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
           tma::mbar_expect_tx(bar, kStage + kASBox * 4);
           tma::tma_load_2d(dA, &maps.a, kb * 128, r0, bar);
           tma::tma_load_2d(tma::smem_u32(sAS + st * kASStride), &maps.as, r0 & ~3, kb, bar);
-          if (SWIGLU) {
-            tma::tma_load_2d(dB, m0, kb * 128, rb + t * 64, bar);
-            tma::tma_load_2d(dB + kStageB / 2, m1, kb * 128, rb + t * 64, bar);
-          } else {
-            tma::tma_load_2d(dB, m0, kb * 128, rb + t * 128, bar);
+          if (SWIGLU) {  // w1 rows, then the w3 rows of the same BN / 2 columns
+            tma::tma_load_2d(dB, m0, kb * 128, rb + t * (BN / 2), bar);
+            tma::tma_load_2d(dB + kStageB / 2, m1, kb * 128, rb + t * (BN / 2), bar);
+          } else {  // (BN = 256 on the last tile of an expert whose rows end at 128: the next rows, not stored)
+#pragma unroll
+            for (int h = 0; h < NH; ++h) tma::tma_load_2d(dB + h * 16384, m0, kb * 128, rb + t * BN + h * 128, bar);
           }
         }
         __syncwarp();
@@ -209,62 +227,71 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
   }
 
   // consumers: warpgroup wg owns rows [64 wg, 64 wg + 64) of every tile
+  if constexpr (BN == 256) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = tid >> 7, wq = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int m0r = wg * 64 + wq * 16 + g;  // this thread's tile rows m0r, m0r + 8
   int i = 0;
-  float acc[64];
+  float acc[NH * 64];
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     const int task = tile / a.ntiles, t = tile % a.ntiles;
     const int r0 = a.tasks[task * 3 + 1], r1 = a.tasks[task * 3 + 2];
 #pragma unroll
-    for (int c = 0; c < 64; ++c) acc[c] = 0.0f;
+    for (int c = 0; c < NH * 64; ++c) acc[c] = 0.0f;
     for (int u = 0; u < KB; ++u, ++i) {
       const int st = i % kStages;
       tma::mbar_wait(tma::smem_u32(full + st), (i / kStages) & 1);
       const uint32_t aa = tma::smem_u32(base + st * kStage) + wg * 64 * 128;
       const uint32_t ba = tma::smem_u32(base + st * kStage + kStageA);
-      float part[64];
-      gemm::wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        gemm::wgmma_m64n128k32(part, gemm::smem_desc(aa + k * 32), gemm::smem_desc(ba + k * 32), k);
-      gemm::wgmma_commit();
       const float* as = sAS + st * kASStride + (r0 & 3) + m0r;
       const float sa0 = as[0], sa1 = as[8];
       const float w0 = sWS[st * 2], w1 = sWS[st * 2 + 1];
-      gemm::wgmma_wait0();
-      gemm::fence_regs(part);
-      __syncwarp();
-      if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
       const float s00 = sa0 * w0, s10 = sa1 * w0, s01 = sa0 * w1, s11 = sa1 * w1;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const bool up = SWIGLU && j >= 8;
-        acc[4 * j + 0] += part[4 * j + 0] * (up ? s01 : s00);
-        acc[4 * j + 1] += part[4 * j + 1] * (up ? s01 : s00);
-        acc[4 * j + 2] += part[4 * j + 2] * (up ? s11 : s10);
-        acc[4 * j + 3] += part[4 * j + 3] * (up ? s11 : s10);
+      for (int h = 0; h < NH; ++h) {  // 128 weight rows each: wgmmas, wait, promote
+        float part[64];
+        gemm::wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          gemm::wgmma_m64n128k32(part, gemm::smem_desc(aa + k * 32), gemm::smem_desc(ba + h * 16384 + k * 32), k);
+        gemm::wgmma_commit();
+        gemm::wgmma_wait0();
+        gemm::fence_regs(part);
+        if (h == NH - 1) {
+          __syncwarp();
+          if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
+        }
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const bool second = NH == 2 ? h == 1 : (SWIGLU && j >= 8);  // w1's scale
+          float* d = acc + h * 64 + 4 * j;
+          d[0] += part[4 * j + 0] * (second ? s01 : s00);
+          d[1] += part[4 * j + 1] * (second ? s01 : s00);
+          d[2] += part[4 * j + 2] * (second ? s11 : s10);
+          d[3] += part[4 * j + 3] * (second ? s11 : s10);
+        }
       }
     }
-    // epilogue: rows m0r (acc[4 j + b]) and m0r + 8 (acc[4 j + 2 + b]), columns 8 j + 2 t4 + b
+    // epilogue: rows m0r (acc[4 j + b]) and m0r + 8 (acc[4 j + 2 + b]), tile columns 8 j + 2 t4 + b
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int p = r0 + m0r + 8 * hr;
       if (p >= r1) continue;
-      if (SWIGLU) {
-        __nv_bfloat16* h = static_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(p) * a.N + t * 64 + 2 * t4;
+      if (SWIGLU) {  // gate column c in acc[4 j ..], its up column in acc[BN / 4 + 4 j ..]
+        __nv_bfloat16* h =
+            static_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(p) * a.N + t * (BN / 2) + 2 * t4;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float v0 = gemm::swiglu_f(acc[4 * j + 2 * hr], acc[4 * (j + 8) + 2 * hr], a.limit);
-          const float v1 = gemm::swiglu_f(acc[4 * j + 2 * hr + 1], acc[4 * (j + 8) + 2 * hr + 1], a.limit);
+        for (int j = 0; j < BN / 16; ++j) {
+          const float v0 = gemm::swiglu_f(acc[4 * j + 2 * hr], acc[BN / 4 + 4 * j + 2 * hr], a.limit);
+          const float v1 = gemm::swiglu_f(acc[4 * j + 2 * hr + 1], acc[BN / 4 + 4 * j + 2 * hr + 1], a.limit);
           *reinterpret_cast<__nv_bfloat162*>(h + 8 * j) = __floats2bfloat162_rn(v0, v1);
         }
       } else {
         const float w = a.row_weight[p];
-        float* y = static_cast<float*>(a.out) + static_cast<int64_t>(p) * a.N + t * 128 + 2 * t4;
+        float* y = static_cast<float*>(a.out) + static_cast<int64_t>(p) * a.N + t * BN + 2 * t4;
 #pragma unroll
-        for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<float2*>(y + 8 * j) = make_float2(acc[4 * j + 2 * hr] * w, acc[4 * j + 2 * hr + 1] * w);
+        for (int j = 0; j < BN / 8; ++j)
+          if (NH == 1 || j < 16 || t * BN + 128 < a.N)
+            *reinterpret_cast<float2*>(y + 8 * j) = make_float2(acc[4 * j + 2 * hr] * w, acc[4 * j + 2 * hr + 1] * w);
       }
     }
   }
@@ -273,12 +300,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
 #endif
 }
 
-template <bool SWIGLU>
+template <bool SWIGLU, int BN>
 void launch(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
-  auto kern = moe_prefill_kernel<SWIGLU>;
-  static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  auto kern = moe_prefill_kernel<SWIGLU, BN>;
+  constexpr int smem = Cfg<BN>::kSmem;
+  static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute(moe_prefill_kernel)");
-  kern<<<grid, kThreads, kSmem, stream>>>(a, maps);
+  kern<<<grid, kThreads, smem, stream>>>(a, maps);
   check_launch("moe_prefill_kernel");
 }
 
@@ -321,8 +349,11 @@ bool moe_prefill_supported(const MoeProblem& p) {
 
 bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t stream) {
   if (!moe_prefill_supported(p)) return false;
+  // 128 x 128 tiles (DEEPFUSE_MOE_PREFILL_BN=256: 128 x 256, for comparisons; read per call)
+  const char* bn_env = std::getenv("DEEPFUSE_MOE_PREFILL_BN");
+  const int BN = bn_env != nullptr && std::atoi(bn_env) == 256 ? 256 : 128;
   Maps m1{}, m2{};
-  if (!encode_maps(p, io.xp, io.xsT, io.P, p.d, p.w1, p.w3, p.sw1, p.sw3, p.inter, 64, m1) ||
+  if (!encode_maps(p, io.xp, io.xsT, io.P, p.d, p.w1, p.w3, p.sw1, p.sw3, p.inter, BN / 2, m1) ||
       !encode_maps(p, io.hq, io.hsT, io.P, p.inter, p.w2, p.w2, p.sw2, p.sw2, p.d, 128, m2))
     return false;
   const int64_t Pp = moe_prefill_pitch(io.P);
@@ -343,9 +374,11 @@ bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t
   a1.scale0 = p.w1.scale, a1.scale1 = p.w3.scale, a1.scale_u8 = p.w1.scale_u8;
   a1.sscale0 = p.sw1.scale, a1.sscale1 = p.sw3.scale, a1.sscale_u8 = p.sw1.scale_u8;
   a1.NBw = p.inter / 128;
-  a1.tasks = io.tasks, a1.ntasks = io.ntasks, a1.ntiles = p.inter / 64;
+  a1.tasks = io.tasks, a1.ntasks = io.ntasks, a1.ntiles = p.inter / (BN / 2);
   a1.out = io.h, a1.limit = p.limit, a1.rotate = rotate;
-  launch<true>(a1, m1, static_cast<int>(std::min<int64_t>(sms, io.U * a1.ntiles)), stream);
+  const int g1 = static_cast<int>(std::min<int64_t>(sms, io.U * a1.ntiles));
+  if (BN == 256) launch<true, 256>(a1, m1, g1, stream);
+  else launch<true, 128>(a1, m1, g1, stream);
 
   gather_cast_kernel<__nv_bfloat16><<<cgrid, 256, 0, stream>>>(io.h, nullptr, io.tasks, io.ntasks, p.inter, Pp,
                                                                io.hq, io.hsT);
@@ -356,9 +389,11 @@ bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t
   a2.scale0 = a2.scale1 = p.w2.scale, a2.scale_u8 = p.w2.scale_u8;
   a2.sscale0 = a2.sscale1 = p.sw2.scale, a2.sscale_u8 = p.sw2.scale_u8;
   a2.NBw = p.d / 128;
-  a2.tasks = io.tasks, a2.ntasks = io.ntasks, a2.ntiles = p.d / 128;
+  a2.tasks = io.tasks, a2.ntasks = io.ntasks, a2.ntiles = ceil_div(p.d, BN);
   a2.out = io.Y, a2.row_weight = io.wrow, a2.rotate = rotate;
-  launch<false>(a2, m2, static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles)), stream);
+  const int g2 = static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles));
+  if (BN == 256) launch<false, 256>(a2, m2, g2, stream);
+  else launch<false, 128>(a2, m2, g2, stream);
   return true;
 }
 
