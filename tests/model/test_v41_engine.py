@@ -141,7 +141,8 @@ def test_cuda_dspark_graphs_equal_full_forward():
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 16, 27)]
     for th, kw in ((0.0, dict(overlap=True)), (0.5, dict(max_num_batched_tokens=7, enable_prefix_caching=True))):
-        llm = LLM(model, max_model_len=96, cuda_graphs=True, num_speculative_tokens=3, dspark_threshold=th, **kw)
+        llm = LLM(model, max_model_len=96, max_num_seqs=8, cuda_graphs=True, num_speculative_tokens=3,
+                  dspark_threshold=th, **kw)
         ds = llm.engine.runner.dspark
         assert ds.graphs is not None and ds.draft_graphs and all(d.graph is not None for d in ds.draft_graphs.values())
         calls = []
