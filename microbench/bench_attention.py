@@ -171,11 +171,11 @@ def grid(quick):
 def wg_grid(quick):
     cells = []
     for Hh in (64, 128):
-        BG = ([(1, 2), (64, 1), (64, 2), (64, 4), (128, 2)] if quick else
+        BG = ([(1, 2), (64, 1), (64, 2), (64, 4)] if quick else
               [(B, G) for B in (1, 16, 64, 128, 256) for G in (1, 2, 4)])
         for B, G in BG:
             cells.append(("decode_csa", Hh, B, G, dict(kind="csa", ctx_rows=4096, sel=512, indep=True)))
-        for ctx in (65536, 1 << 20):
+        for ctx in ((65536,) if quick else (65536, 1 << 20)):
             cells.append((f"decode_hca_{ctx // 1024}K", Hh, 64, 2, dict(kind="hca", ctx_rows=ctx // 128, sel=0)))
         cells.append(("prefill", Hh, 4096, 1, None))
     return cells
