@@ -4,7 +4,7 @@ the top-k written as slots.
 
 python -m microbench.bench_rows --out DIR [--quick] [--next-n 1,2,4]
 python -m microbench.bench_rows --out DIR --indexer [--next-n 1,2,4] [--batches 1,8,...] [--contexts 8192,65536]
-    [--idx-heads 64,32] [--q-modes exact,fp8] [--no-per-token] [--once]
+    [--idx-heads 64,32] [--q-modes exact,fp8] [--orders random,paged] [--env "A=1;A=0+B=2"] [--no-per-token] [--once]
 
 Per case: time, bytes moved per second and the fraction of the copy ceiling measured in this
 run (bytes = what the op must read and write once), TFLOP/s for the indexer, and the ratio to
@@ -14,10 +14,14 @@ for topk_slots, torch.topk and a gather).
 Indexer cases: B requests of next_n consecutive query tokens each (decode with drafts), C keys
 per request. --indexer runs only them, without the torch reference, each also launched one
 token per CTA (entry_slots padded to N rows, so the kernel groups no tokens: the pre-grouping
-kernel's work) -> per_token_us and x_per_token.
+kernel's work) -> per_token_us and x_per_token. Entries: random slots ("random": every key tile
+gathered row by row) or the engine's lists ("paged": each request's pages in random order, the
+rows of a page in order: whole pages by TMA); --env runs each case under each set of environment
+variables (';' between sets, '+' between variables: DEEPFUSE_INDEXER_TMA, _WAVES, _MAX_TILES).
 """
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -47,15 +51,20 @@ def _ref_time(fn):
         _ext.set_kernels_enabled(prev)
 
 
-def indexer_case(B, C, next_n, g, per_token=False, heads=64, q_fp8=False):
+def indexer_case(B, C, next_n, g, per_token=False, heads=64, q_fp8=False, order="random"):
     """(name, rows, bytes, flops, fn) of indexer_logits_paged for B requests of next_n tokens and
     C keys each (heads index heads; q_fp8: q rounded to e4m3); per_token: entry_slots padded to
-    one row per token (no tokens grouped)."""
+    one row per token (no tokens grouped); order: "random" slots or "paged" (module doc)."""
     ps = 64
     P = B * C // ps + 1
     kp = torch.randint(0, 120, (P, ps * F.IDX_ROW_BYTES), dtype=torch.uint8, device=DEV)
     kp[:, ps * 128:].view(torch.float32)[:] = 0.01
-    entry = torch.randperm(P * ps, device=DEV)[: B * C].view(B, C)
+    if order == "paged":
+        npp = (C + ps - 1) // ps
+        e = torch.arange(C, device=DEV)
+        entry = torch.randperm(P, device=DEV)[: B * npp].view(B, npp)[:, e // ps] * ps + e % ps
+    else:
+        entry = torch.randperm(P * ps, device=DEV)[: B * C].view(B, C)
     N = B * next_n
     if per_token and N > B:
         entry = torch.cat([entry, entry.new_full((N - B, C), -1)])
@@ -64,35 +73,47 @@ def indexer_case(B, C, next_n, g, per_token=False, heads=64, q_fp8=False):
     q = _bf(N, heads, 128, g=g)
     wts = torch.randn(N, heads, device=DEV) * 0.125
     flops = 2 * N * C * heads * 128
-    name = f"indexer logits C={C} next_n={next_n} H={heads}" + (" q_fp8" if q_fp8 else "")
+    name = f"indexer logits C={C} next_n={next_n} H={heads}" + (" q_fp8" if q_fp8 else "") + f" {order}"
     return (name, B, B * C * (F.IDX_ROW_BYTES + 8) + N * C * 4, flops,
             lambda q=q, w=wts, kp=kp, e=entry, r=req, n=nv: ops.indexer_logits_paged(q, w, kp, ps, e, r, n, 0.088,
                                                                                      q_fp8=q_fp8))
 
 
-def indexer_rows(ctx, g, next_n, batches, contexts, once=False, heads=(64,), q_modes=(False,), per_token=True):
+def indexer_rows(ctx, g, next_n, batches, contexts, once=False, heads=(64,), q_modes=(False,), per_token=True,
+                 orders=("random",), envs=("",)):
     rows = []
-    for hh in heads:
-        for q_fp8 in q_modes:
-            for C in contexts:
-                for nn in next_n:
-                    for B in batches:
-                        name, M, nbytes, flops, fn = indexer_case(B, C, nn, g, heads=hh, q_fp8=q_fp8)
-                        if once:  # one call per case, untimed (for a profiler)
-                            fn()
-                            torch.cuda.synchronize()
-                            continue
-                        t = H.time_fn(fn)
-                        del fn
-                        r = dict(case=name, rows=M, H=hh, q_fp8=q_fp8, C=C, next_n=nn, B=B, us=t.median_us,
-                                 TBps=nbytes / t.s / 1e12, frac_copy=nbytes / t.s / 1e12 / ctx.copy_tbps,
-                                 TFLOPs=flops / t.s / 1e12)
-                        if per_token:
-                            tp = H.time_fn(indexer_case(B, C, nn, g, per_token=True, heads=hh, q_fp8=q_fp8)[4])
-                            r.update(per_token_us=tp.median_us, x_per_token=tp.median_us / t.median_us)
-                        rows.append(r)
-                        H.print_table([r], INDEXER_COLS)
-                        torch.cuda.empty_cache()
+    grid = ((hh, q_fp8, order, env, C, nn, B) for hh in heads for q_fp8 in q_modes for order in orders for env in envs
+            for C in contexts for nn in next_n for B in batches)
+    for hh, q_fp8, order, env, C, nn, B in grid:
+        saved = {}
+        for kv in (x for x in env.split("+") if x):
+            k, v = kv.split("=", 1)
+            saved[k] = os.environ.get(k)
+            os.environ[k] = v
+        name, M, nbytes, flops, fn = indexer_case(B, C, nn, g, heads=hh, q_fp8=q_fp8, order=order)
+        if env:
+            name += " " + env.replace("DEEPFUSE_INDEXER_", "")
+        if once:  # one call per case, untimed (for a profiler)
+            fn()
+            torch.cuda.synchronize()
+            continue
+        t = H.time_fn(fn)
+        del fn
+        r = dict(case=name, rows=M, H=hh, q_fp8=q_fp8, order=order, env=env, C=C, next_n=nn, B=B,
+                 us=t.median_us, TBps=nbytes / t.s / 1e12, frac_copy=nbytes / t.s / 1e12 / ctx.copy_tbps,
+                 TFLOPs=flops / t.s / 1e12)
+        if per_token:
+            tp = H.time_fn(indexer_case(B, C, nn, g, per_token=True, heads=hh, q_fp8=q_fp8,
+                                        order=order)[4])
+            r.update(per_token_us=tp.median_us, x_per_token=tp.median_us / t.median_us)
+        rows.append(r)
+        H.print_table([r], INDEXER_COLS)
+        torch.cuda.empty_cache()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return rows
 
 
@@ -158,6 +179,9 @@ def _extra(ap):
     ap.add_argument("--q-modes", default="exact", help="--indexer: comma list of exact (q kept: two e4m3 "
                     "terms), fp8 (q rounded to e4m3, DeepGEMM's contract)")
     ap.add_argument("--no-per-token", action="store_true", help="--indexer: skip the one-token-per-CTA launches")
+    ap.add_argument("--orders", default="random", help="--indexer: comma list of random, paged (module doc)")
+    ap.add_argument("--env", default="", help="--indexer: sets of environment variables to run each case under "
+                    "(';' between sets, '+' between variables; empty: the environment as it is)")
 
 
 def main(argv=None):
@@ -166,7 +190,8 @@ def main(argv=None):
     if args.indexer:
         modes = [{"exact": False, "fp8": True}[m] for m in args.q_modes.split(",") if m]
         rows = indexer_rows(ctx, g, args.next_n, args.batches, args.contexts, args.once, args.idx_heads, modes,
-                            not args.no_per_token)
+                            not args.no_per_token, [o for o in args.orders.split(",") if o],
+                            args.env.split(";") if args.env else [""])
         if args.once:
             return
         print()

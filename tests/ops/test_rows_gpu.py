@@ -202,7 +202,20 @@ def _indexer_absref(q, wts, pages, ps, entry, token_req, scale):
     return torch.einsum("nhd,ncd->nhc", q.float().abs(), k.abs()).mul(wts.abs()[:, :, None]).sum(1) * scale
 
 
-def _check_indexer(token_req, n_vis, B, C, g, ps=64, H=64, q_fp8=False):
+def _entries(pages, ps, B, C, g, order):
+    """entry_slots [B, C]: "random" slots (every tile gathered row by row), "paged" (the engine's
+    lists: each request's pages in random order, the rows of a page in order, so whole runs of
+    a page come by TMA), "offset" (paged, shifted by 5 rows: runs that cross pages, gathered)."""
+    if order == "random":
+        return torch.randperm(pages.shape[0] * ps, generator=g, device=DEV)[: B * C].view(B, C).to(torch.int64)
+    off = 5 if order == "offset" else 0
+    npp = (C + off + ps - 1) // ps
+    pg = torch.stack([torch.randperm(pages.shape[0], generator=g, device=DEV)[:npp] for _ in range(B)])
+    e = torch.arange(C, device=DEV) + off
+    return (pg[:, e // ps] * ps + e % ps).to(torch.int64)
+
+
+def _check_indexer(token_req, n_vis, B, C, g, ps=64, H=64, q_fp8=False, order="random"):
     """indexer_logits_paged against its reference: |out - ref| <= 2^-9 * absref + 1e-6 * max|ref|
     (the FP8 tensor cores keep 13 mantissa bits per accumulation; with q_fp8=False the second q
     term makes q exact to 2^-6 of its head's scale, far below that); -inf exactly past n_vis; every
@@ -210,8 +223,8 @@ def _check_indexer(token_req, n_vis, B, C, g, ps=64, H=64, q_fp8=False):
     against the same rows run one per CTA (entry_slots expanded to one row per token: a launch
     of single tokens), so no grouping of tokens changes a bit."""
     N = token_req.shape[0]
-    pages = _idx_pages(B * C, ps, g)
-    entry = torch.randperm(pages.shape[0] * ps, generator=g, device=DEV)[: B * C].view(B, C).to(torch.int64)
+    pages = _idx_pages(B * C + 5 * B + ps * B, ps, g)
+    entry = _entries(pages, ps, B, C, g, order)
     entry[:, -3:] = -1
     entry[0, 1] = -1
     q = _randn(N, H, 128, g=g)
@@ -240,22 +253,24 @@ def _check_indexer(token_req, n_vis, B, C, g, ps=64, H=64, q_fp8=False):
     return out
 
 
+@pytest.mark.parametrize("order", ["random", "paged"])
 @pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
 @pytest.mark.parametrize("N,B,C", [(1, 1, 300), (9, 3, 2048), (64, 64, 700), (5, 2, 16400)])
-def test_indexer_logits_paged(N, B, C, H, q_fp8):
+def test_indexer_logits_paged(N, B, C, H, q_fp8, order):
     g = _g(N * 7 + C)
     token_req = torch.randint(0, B, (N,), generator=g, device=DEV)
     token_req[0] = 0
     n_vis = torch.randint(0, C + 1, (N,), generator=g, device=DEV).to(torch.int32)
     n_vis[0] = C
-    out = _check_indexer(token_req, n_vis, B, C, g, H=H, q_fp8=q_fp8)
+    out = _check_indexer(token_req, n_vis, B, C, g, H=H, q_fp8=q_fp8, order=order)
     assert out[0, 1].item() == 0.0  # a slot-less entry scores 0
 
 
-@pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False)])
+@pytest.mark.parametrize("order", ["random", "paged"])
+@pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("B,C", [(1, 8192), (7, 700), (33, 2049)])
-def test_indexer_logits_paged_drafts(next_n, B, C, H, q_fp8):
+def test_indexer_logits_paged_drafts(next_n, B, C, H, q_fp8, order):
     """Decode with drafts: next_n consecutive tokens per request (tokens per CTA 1..4), the
     drafts seeing up to one more entry each, some requests with nothing visible."""
     g = _g(next_n * 1000 + B + C)
@@ -266,7 +281,7 @@ def test_indexer_logits_paged_drafts(next_n, B, C, H, q_fp8):
     n_vis = (base[:, None] + step).clamp(min=0).flatten().to(torch.int32)
     if B > 2:
         n_vis[next_n:2 * next_n] = 0
-    _check_indexer(token_req, n_vis, B, C, g, H=H, q_fp8=q_fp8)
+    _check_indexer(token_req, n_vis, B, C, g, H=H, q_fp8=q_fp8, order=order)
 
 
 @pytest.mark.parametrize("case", ["prefill", "chunks", "shuffled", "tail"])
@@ -294,17 +309,45 @@ def test_indexer_logits_paged_mixed_groups(case):
         token_req = torch.tensor([0] * 4 + [1] * 4 + [2] * 4 + [3] * 3, device=DEV)  # N 15, 4 rows per CTA
         n_vis = torch.randint(C // 2, C + 1, (15,), generator=g, device=DEV).to(torch.int32)
     _check_indexer(token_req, n_vis, B, C, g)
-    _check_indexer(token_req, n_vis, B, C, g, H=32, q_fp8=True)
+    _check_indexer(token_req, n_vis, B, C, g, H=32, q_fp8=True, order="paged")
 
 
-@pytest.mark.parametrize("ps", [16, 48])
-def test_indexer_logits_paged_page_sizes(ps):
-    """Page sizes other than 64: a smaller power of two and one that is none (division path)."""
+@pytest.mark.parametrize("order", ["random", "paged", "offset"])
+@pytest.mark.parametrize("ps", [16, 32, 48, 64, 128, 256])
+def test_indexer_logits_paged_page_sizes(ps, order):
+    """Page sizes other than 64: smaller and larger powers of two, 48 (TMA runs of 16 rows, the
+    division path); entries in random order, the engine's page order (TMA runs), or shifted off
+    the page boundaries."""
     g = _g(ps)
     B, n = 3, 2
     token_req = torch.arange(B, device=DEV).repeat_interleave(n)
     n_vis = torch.tensor([900, 901, 0, 1, 450, 451], dtype=torch.int32, device=DEV)
-    _check_indexer(token_req, n_vis, B, 901, g, ps=ps)
+    _check_indexer(token_req, n_vis, B, 901, g, ps=ps, order=order)
+    _check_indexer(token_req, n_vis, B, 901, g, ps=ps, H=32, q_fp8=True, order=order)
+
+
+@pytest.mark.parametrize("ps", [16, 64])
+def test_indexer_tma_tiles_match_gathered_tiles(monkeypatch, ps):
+    """The TMA tile path (DEEPFUSE_INDEXER_TMA=1, page-ordered entries) gives the bits of the
+    cp.async gather (=0): the same bytes reach the same swizzled tile; holes (-1 slots, a
+    foreign slot inside a run) fall back per tile."""
+    g = _g(300 + ps)
+    B, n, C = 5, 2, 3000
+    pages = _idx_pages(B * C + ps * B, ps, g)
+    entry = _entries(pages, ps, B, C, g, "paged")
+    entry[1, 700] = -1
+    entry[2, 64 * 9 + 3] = entry[3, 5]
+    token_req = torch.arange(B, device=DEV).repeat_interleave(n)
+    n_vis = torch.randint(C // 3, C + 1, (B * n,), generator=g, device=DEV).to(torch.int32)
+    n_vis[3] = 0
+    for H, q_fp8 in ((64, False), (64, True), (32, True)):
+        q = _randn(B * n, H, 128, g=g)
+        wts = torch.randn(B * n, H, generator=g, device=DEV)
+        outs = []
+        for tma in ("0", "1"):
+            monkeypatch.setenv("DEEPFUSE_INDEXER_TMA", tma)
+            outs.append(ops.indexer_logits_paged(q, wts, pages, ps, entry, token_req, n_vis, 0.1, q_fp8=q_fp8))
+        assert torch.equal(outs[0], outs[1]), f"H {H} q_fp8 {q_fp8}: {(outs[0] != outs[1]).sum().item()} differ"
 
 
 def test_indexer_q_scale_edges():
@@ -337,13 +380,13 @@ def test_indexer_graph_capture():
     """indexer_logits_paged captured in a CUDA graph and replayed on new inputs (no host sync)."""
     g = _g(77)
     B, n, C, ps = 4, 2, 1000, 64
-    pages = _idx_pages(B * C, ps, g)
-    entry = torch.randperm(pages.shape[0] * ps, generator=g, device=DEV)[: B * C].view(B, C).to(torch.int64)
+    pages = _idx_pages(B * C + ps * B, ps, g)
     req = torch.arange(B, device=DEV).repeat_interleave(n)
     nv = torch.full((B * n,), C, dtype=torch.int32, device=DEV)
     q = _randn(B * n, 64, 128, g=g)
     w = torch.randn(B * n, 64, generator=g, device=DEV)
-    for q_fp8 in (False, True):
+    for q_fp8, order in ((False, "random"), (True, "paged")):
+        entry = _entries(pages, ps, B, C, g, order)
         ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.1, q_fp8=q_fp8)  # warm up (attributes)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -417,7 +460,9 @@ def test_indexer_sanitize_groups():
     kp = _idx_pages(2 * 70, ps, g)
     entry = torch.randperm(kp.shape[0] * ps, generator=g, device=DEV)[:140].view(2, 70).to(torch.int64)
     entry[1, 5] = -1
-    for H, q_fp8 in ((64, False), (32, True)):
+    paged = _entries(kp, ps, 2, 70, g, "paged")
+    paged[1, 40] = -1
+    for H, q_fp8, entry in ((64, False, entry), (32, True, entry), (64, False, paged), (64, True, paged)):
         for req, nv in (([0, 0, 0, 0], [70, 3, 0, 66]), ([0, 1, 0, 1], [70, 70, 9, 0]),
                         ([0, 0, 0, 0, 1], [1, 2, 3, 4, 70]), ([0, 0, 1, 1], [70, 69, 70, 70])):
             n = len(req)
