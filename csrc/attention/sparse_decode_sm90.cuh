@@ -168,20 +168,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   const int64_t t = static_cast<int64_t>(blockIdx.x) / HT;
   const int head0 = static_cast<int>(blockIdx.x % HT) * 64;
 
-  // Q tile (64 heads x 512) -> shared memory, swizzled.
-  for (int i = tid; i < 64 * 64; i += kThreads) {
-    const int r = i >> 6, c = i & 63;
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(P.q) + t * P.q_ld_t +
-                                                         (head0 + r) * P.q_ld_h + c * 8));
-    *reinterpret_cast<uint4*>(sm + kQOff + toff(r, c)) = v;
-  }
   if (tid == 0) {
     for (int s = 0; s < 2; ++s) {
       mbar_init(full0 + 8 * s, 128);
       mbar_init(empty0 + 8 * s, 256);
     }
   }
-  fence_proxy_async();  // Q's stores -> the wgmma (async) proxy
   __syncthreads();
 
   const int K0 = P.src[0].K;
@@ -204,26 +196,56 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       if (S.len != nullptr) L = min(L, load_i(S.len, S.len64, t));
       len[si] = static_cast<int>(L > 0 ? L : 0);
     }
-    for (int i = 0; i < nb; ++i) {
-      const int s = i & 1;
+    // Raw slot of this thread's key in block i (-1 past the block range or the length; not yet
+    // range-checked, so that the load is not waited for here).
+    auto raw_slot = [&](int i) -> int64_t {
       const int p = (b_begin + i) * 64 + key;
       const int si = p < K0 ? 0 : 1;
       const int pos = p - (si ? K0 : 0);
+      if (i >= nb || p >= K_all || pos >= (si ? len[1] : len[0])) return -1;
       const AttnSource& S = P.src[si];
-      bool valid = p < K_all && pos < (si ? len[1] : len[0]);
-      int64_t slot = valid ? load_i(S.idx, S.idx64, t * S.K + pos) : -1;
-      valid = valid && slot >= 0 && slot < S.num_slots;
+      return load_i(S.idx, S.idx64, t * S.K + pos);
+    };
+    // Row data and scale addresses of raw slot v of block i; false when the key is skipped.
+    auto row_of = [&](int i, int64_t v, const uint8_t*& rowp, const uint8_t*& sclp) -> bool {
+      const AttnSource& S = P.src[(b_begin + i) * 64 + key < K0 ? 0 : 1];
+      if (v < 0 || v >= S.num_slots) return false;
+      const int sl = static_cast<int>(v);
+      const int page = sl / S.page_size;
+      const int row = sl - page * S.page_size;
+      const uint8_t* pg = S.base + static_cast<int64_t>(page) * S.page_bytes;
+      rowp = pg + row * 576;
+      sclp = pg + static_cast<int64_t>(S.page_size) * 576 + row * 8;
+      return true;
+    };
+    // Block i + 2's rows into L2 (data and scale lines), its slots loaded an iteration earlier;
+    // block i + 3's slots loaded now. The loads of block i then hit L2 instead of HBM.
+    auto prefetch = [&](int i, int64_t v) {
+      const uint8_t *rp, *sp;
+      if (i < nb && row_of(i, v, rp, sp)) {
+        // the row's 576 bytes (64-byte aligned) lie in the 128-byte lines of rp + 0, 128, .., 512
+        const uint8_t* a0 = rp + half * 384;
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a0) : "memory");
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a0 + 128) : "memory");
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(half == 0 ? a0 + 256 : sp) : "memory");
+      }
+    };
+    int64_t r0 = raw_slot(0), r1 = raw_slot(1), r2 = raw_slot(2);
+    prefetch(1, r1);
+    for (int i = 0; i < nb; ++i) {
+      const int s = i & 1;
+      const int64_t r3 = raw_slot(i + 3);
+      prefetch(i + 2, r2);
+      const uint8_t *rowp = P.src[0].base, *sclp = nullptr;  // (a valid address, never read, when skipped)
+      const bool valid = row_of(i, r0, rowp, sclp);
+      r0 = r1, r1 = r2, r2 = r3;
       uint4 raw[14];
       uint2 scl = make_uint2(0, 0);
-      const uint8_t* rowp = P.src[0].base;  // a valid address, never read, when the key is skipped
       if (valid) {
-        const int64_t page = slot / S.page_size;
-        const int row = static_cast<int>(slot - page * S.page_size);
-        const uint8_t* pg = S.base + page * S.page_bytes;
-        rowp = pg + row * 576 + half * 16;
+        rowp += half * 16;
 #pragma unroll
         for (int jj = 0; jj < 14; ++jj) raw[jj] = ld_nc16(rowp + jj * 32);
-        scl = __ldg(reinterpret_cast<const uint2*>(pg + static_cast<int64_t>(S.page_size) * 576 + row * 8));
+        scl = __ldg(reinterpret_cast<const uint2*>(sclp));
       } else {
 #pragma unroll
         for (int jj = 0; jj < 14; ++jj) raw[jj] = make_uint4(0, 0, 0, 0);
@@ -260,6 +282,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
 
   // ------------------------------------------------------------------ consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  // Q tile (64 heads x 512) -> shared memory, swizzled, by the consumers while the producer
+  // starts on the first blocks.
+  for (int i = tid - 128; i < 64 * 64; i += 256) {
+    const int r = i >> 6, c = i & 63;
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(P.q) + t * P.q_ld_t +
+                                                         (head0 + r) * P.q_ld_h + c * 8));
+    *reinterpret_cast<uint4*>(sm + kQOff + toff(r, c)) = v;
+  }
+  fence_proxy_async();  // Q's stores -> the wgmma (async) proxy
+  named_bar(2, 256);
   const int w = wg - 1;        // dims / output columns 256 w ..
   const int lt = tid & 127;    // thread in the warpgroup
   const int wi = lt >> 5, lane = lt & 31;
