@@ -151,6 +151,20 @@ def test_engine_encoder_replay_equals_step_definition(model, Ke, kw):
         assert err > 1e-4  # the replay ran and is approximate
 
 
+@pytest.mark.parametrize("Ke", [8, 56])
+def test_engine_encoder_replay_with_dspark(model, Ke):
+    """With DSpark drafting (graphs on: the CPU's padded steps) the replayed request's greedy tokens
+    equal the step-level definition's (drafts never change greedy outputs; the DSpark rings come
+    back from the entry as before)."""
+    prompt = _prompt(model, 75, 3)
+    toks, _, eng = engine_run(Ke, prompt, prompt[:64], new=8, num_speculative_tokens=2, dspark_threshold=0.0,
+                              cuda_graphs=True)
+    ref_t, _, _ = run(model, prompt, 64, Ke, new=8)
+    assert eng.runner.encoder_replay.replays >= 1 and eng.runner.dspark.graph_steps > 0
+    assert eng.stats()["spec"]["verify_steps"] > 0
+    assert toks == ref_t
+
+
 def test_engine_encoder_replay_settings_and_memory():
     from deepfuse.engine import LLM
 
