@@ -14,10 +14,10 @@ for topk_slots, torch.topk and a gather).
 Indexer cases: B requests of next_n consecutive query tokens each (decode with drafts), C keys
 per request. --indexer runs only them, without the torch reference, each also launched one
 token per CTA (entry_slots padded to N rows, so the kernel groups no tokens: the pre-grouping
-kernel's work) -> per_token_us and x_per_token. Entries: random slots ("random": every key tile
-gathered row by row) or the engine's lists ("paged": each request's pages in random order, the
-rows of a page in order: whole pages by TMA); --env runs each case under each set of environment
-variables (';' between sets, '+' between variables: DEEPFUSE_INDEXER_TMA, _WAVES, _MAX_TILES).
+kernel's work) -> per_token_us and x_per_token. Entries: random slots ("random") or the engine's
+lists ("paged": each request's pages in random order, the rows of a page in order); --env runs
+each case under each set of environment variables (';' between sets, '+' between variables: a
+kernel's switches while one is being evaluated).
 """
 from __future__ import annotations
 

@@ -203,9 +203,9 @@ def _indexer_absref(q, wts, pages, ps, entry, token_req, scale):
 
 
 def _entries(pages, ps, B, C, g, order):
-    """entry_slots [B, C]: "random" slots (every tile gathered row by row), "paged" (the engine's
-    lists: each request's pages in random order, the rows of a page in order, so whole runs of
-    a page come by TMA), "offset" (paged, shifted by 5 rows: runs that cross pages, gathered)."""
+    """entry_slots [B, C]: "random" slots, "paged" (the engine's lists: each request's pages in
+    random order, the rows of a page in order), "offset" (paged, shifted by 5 rows: runs of rows
+    that cross pages)."""
     if order == "random":
         return torch.randperm(pages.shape[0] * ps, generator=g, device=DEV)[: B * C].view(B, C).to(torch.int64)
     off = 5 if order == "offset" else 0
@@ -315,39 +315,14 @@ def test_indexer_logits_paged_mixed_groups(case):
 @pytest.mark.parametrize("order", ["random", "paged", "offset"])
 @pytest.mark.parametrize("ps", [16, 32, 48, 64, 128, 256])
 def test_indexer_logits_paged_page_sizes(ps, order):
-    """Page sizes other than 64: smaller and larger powers of two, 48 (TMA runs of 16 rows, the
-    division path); entries in random order, the engine's page order (TMA runs), or shifted off
-    the page boundaries."""
+    """Page sizes other than 64: smaller and larger powers of two, 48 (the division path); entries
+    in random order, the engine's page order, or shifted off the page boundaries."""
     g = _g(ps)
     B, n = 3, 2
     token_req = torch.arange(B, device=DEV).repeat_interleave(n)
     n_vis = torch.tensor([900, 901, 0, 1, 450, 451], dtype=torch.int32, device=DEV)
     _check_indexer(token_req, n_vis, B, 901, g, ps=ps, order=order)
     _check_indexer(token_req, n_vis, B, 901, g, ps=ps, H=32, q_fp8=True, order=order)
-
-
-@pytest.mark.parametrize("ps", [16, 64])
-def test_indexer_tma_tiles_match_gathered_tiles(monkeypatch, ps):
-    """The TMA tile path (DEEPFUSE_INDEXER_TMA=1, page-ordered entries) gives the bits of the
-    cp.async gather (=0): the same bytes reach the same swizzled tile; holes (-1 slots, a
-    foreign slot inside a run) fall back per tile."""
-    g = _g(300 + ps)
-    B, n, C = 5, 2, 3000
-    pages = _idx_pages(B * C + ps * B, ps, g)
-    entry = _entries(pages, ps, B, C, g, "paged")
-    entry[1, 700] = -1
-    entry[2, 64 * 9 + 3] = entry[3, 5]
-    token_req = torch.arange(B, device=DEV).repeat_interleave(n)
-    n_vis = torch.randint(C // 3, C + 1, (B * n,), generator=g, device=DEV).to(torch.int32)
-    n_vis[3] = 0
-    for H, q_fp8 in ((64, False), (64, True), (32, True)):
-        q = _randn(B * n, H, 128, g=g)
-        wts = torch.randn(B * n, H, generator=g, device=DEV)
-        outs = []
-        for tma in ("0", "1"):
-            monkeypatch.setenv("DEEPFUSE_INDEXER_TMA", tma)
-            outs.append(ops.indexer_logits_paged(q, wts, pages, ps, entry, token_req, n_vis, 0.1, q_fp8=q_fp8))
-        assert torch.equal(outs[0], outs[1]), f"H {H} q_fp8 {q_fp8}: {(outs[0] != outs[1]).sum().item()} differ"
 
 
 def test_indexer_q_scale_edges():

@@ -15,9 +15,7 @@ wgmma): q of each (token, head) gets a power-of-two scale s (amax / s in [128, 2
 to the tensor cores as e4m3: with q_fp8=False (default) as two terms x = hi + lo / 16 (exact for
 |q / s| >= 2^-6, so q is kept to its bf16 bits), with q_fp8=True as e4m3(q / s) alone
 (DeepGEMM's contract, twice the MMA rate; the reference then rounds q the same way:
-quantize_q_e4m3). The key tiles are gathered row by row (cp.async; a TMA path for runs of whole
-pages exists behind DEEPFUSE_INDEXER_TMA=1, off: docs/notes/indexer.md). The key scale, ReLU and
-head weights are fused. The FP8 tensor cores sum the
+quantize_q_e4m3). The key scale, ReLU and head weights are fused. The FP8 tensor cores sum the
 products with a 13-bit mantissa (truncation), so the kernel matches the reference within
 2^-9 * sum_h |w_h| sum_d |q_hd k_ed| * scale (tests/ops/test_rows_gpu.py), not to fp32 order.
 Other archs: fp16 MMAs (H 64, q_fp8=False only).
