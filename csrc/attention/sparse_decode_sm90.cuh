@@ -8,10 +8,11 @@
 //   index, validity (0 <= slot < num_slots, position < length), the 36 16-byte chunks of
 //   the 584-byte row: the 28 e4m3 ones loaded into registers (14 per thread, before waiting
 //   for the stage), e4m3 x 2^(s-127) -> bf16 (bit-exact with kv_dequantise_rows), the 8 bf16
-//   RoPE ones copied by cp.async; stored into a 64 x 512
-//   bf16 tile in the wgmma 128-byte-swizzle layout ([8 sub-tiles of 64 dims][64 keys][128 B]);
-//   invalid keys are written as zeros and flagged in a per-stage byte mask. Two stages,
-//   "full" / "empty" mbarriers.
+//   RoPE ones copied by cp.async; stored into a 64 x 512 bf16 tile in the wgmma
+//   128-byte-swizzle layout ([8 sub-tiles of 64 dims][64 keys][128 B]); invalid keys are
+//   written as zeros and flagged in a per-stage byte mask. Two stages, "full" / "empty"
+//   mbarriers. Slot indices are loaded three blocks ahead and block i + 2's rows prefetched
+//   into L2; the consumers load Q meanwhile.
 // - Warpgroups 1 and 2 (consumers, 208 registers): warpgroup w owns dims / output columns
 //   256 w .. 256 w + 255. S_w = Q[:, half w] K[:, half w]^T by 16 wgmma m64n64k16 (both
 //   operands K-major from shared memory); the two partial logit tiles are exchanged through
