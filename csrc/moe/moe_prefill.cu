@@ -349,9 +349,10 @@ bool moe_prefill_supported(const MoeProblem& p) {
 
 bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t stream) {
   if (!moe_prefill_supported(p)) return false;
-  // 128 x 128 tiles (DEEPFUSE_MOE_PREFILL_BN=256: 128 x 256, for comparisons; read per call)
+  // 128 x 256 tiles (H200: 1.05-1.2x the 128 x 128 ones at T 512-16384); DEEPFUSE_MOE_PREFILL_BN=128:
+  // 128 x 128, for comparisons (read per call)
   const char* bn_env = std::getenv("DEEPFUSE_MOE_PREFILL_BN");
-  const int BN = bn_env != nullptr && std::atoi(bn_env) == 256 ? 256 : 128;
+  const int BN = bn_env != nullptr && std::atoi(bn_env) == 128 ? 128 : 256;
   Maps m1{}, m2{};
   if (!encode_maps(p, io.xp, io.xsT, io.P, p.d, p.w1, p.w3, p.sw1, p.sw3, p.inter, BN / 2, m1) ||
       !encode_maps(p, io.hq, io.hsT, io.P, p.inter, p.w2, p.w2, p.sw2, p.sw2, p.d, 128, m2))
