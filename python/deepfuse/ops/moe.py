@@ -55,7 +55,7 @@ STREAM_MAX_T = 256
 # ... and from this T on per weight format (fp8 at T = 1: the grouped kernels measured faster, H200)
 STREAM_MIN_T = {"fp8": 2, "mxfp4": 1}
 # fp8 moe_experts on CUDA from this T on (> 256; 0: never) runs the prefill kernels (csrc/moe/moe_prefill.cu:
-# tokens on wgmma's M side, TMA producer warp + two consumer warpgroups, persistent tiles). H200: 1.9-2.05x
+# tokens on wgmma's M side, TMA producer warp + two consumer warpgroups, persistent tiles). H200: 2.3-2.6x
 # the grouped kernels at T 512 / 4096 / 16384 (docs/notes/moe.md, "The prefill path").
 PREFILL_MIN_T = 257
 
