@@ -8,6 +8,8 @@ rounded to bf16); the reference does not. So each case is checked twice, every e
   about 2^-4 / sqrt(3) per element, twice).
 Routings: random top-k, all tokens on one expert, empty experts, ids -1 / >= E, the shared
 expert; T from 1 to 16384 with odd T; both weight formats; outputs poisoned with NaN first.
+Paths: the decode kernels (T <= 256), the fp8 prefill kernels (T >= 257: the `prefill` fixture and
+the `path` fixture's default setting), the grouped kernels (`path` = "grouped").
 """
 import functools
 
