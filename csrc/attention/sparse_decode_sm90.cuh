@@ -31,12 +31,17 @@
 
 #include <cstdint>
 
+#include "attention/attn_device.cuh"
 #include "attention/sparse_attention.h"
 #include "common/arch.h"
 #include "common/fp8_utils.cuh"
 
 namespace deepfuse {
 namespace attn_wg {
+
+using attn_dev::dequant16;
+using attn_dev::load_i;
+using attn_dev::pack_bf16;
 
 constexpr int kThreads = 384;
 constexpr int kDim = 512;
@@ -110,33 +115,6 @@ __device__ __forceinline__ uint4 ld_nc16(const void* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ int64_t load_i(const void* p, int is64, int64_t i) {
-  return is64 ? __ldg(static_cast<const long long*>(p) + i) : static_cast<int64_t>(__ldg(static_cast<const int*>(p) + i));
-}
-
-// 16 e4m3 times 2^e -> 16 bf16 (fp32 product rounded to bf16, as kv_dequantise_rows).
-__device__ __forceinline__ void dequant16(const uint4& raw, float mul, uint4& lo, uint4& hi) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  uint32_t o[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const __nv_fp8x2_storage_t pr = static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * k)) & 0xffffu);
-      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pr, __NV_E4M3);
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
-      o[2 * i + k] = pack_bf16(f.x * mul, f.y * mul);
-    }
-  }
-  lo = make_uint4(o[0], o[1], o[2], o[3]);
-  hi = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
@@ -407,84 +385,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
   }
   const int hrow[2] = {head0 + wi * 16 + g, head0 + wi * 16 + g + 8};
-  const int col0 = w * 256 + 2 * qd;  // column of o[4 j + ..] = col0 + 8 j
-
-  if (P.splits > 1) {
-    const int64_t base = (static_cast<int64_t>(blockIdx.y) * P.T + t) * P.H;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float* wo = P.ws_o + (base + hrow[h]) * kDim + col0;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) *reinterpret_cast<float2*>(wo + j * 8) = make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
-      if (w == 0 && qd == 0)
-        *reinterpret_cast<float2*>(P.ws_ml + (base + hrow[h]) * 2) = make_float2(m_run[h], l_run[h]);
-    }
-    return;
-  }
-
-  // Sink normalisation, lse, inverse RoPE, bf16 or MXFP8 (as sparse_attn_kernel's epilogue).
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float sk = P.sink[hrow[h]] * kLog2e;
-    float M = fmaxf(m_run[h], sk);
-    if (M == -INFINITY) M = 0.f;
-    const float wt = exp2f(m_run[h] - M);
-    const float f = wt / (l_run[h] * wt + exp2f(sk - M));
-    if (w == 0 && qd == 0)
-      P.lse[t * P.H + hrow[h]] = l_run[h] > 0.f ? (log2f(l_run[h]) + m_run[h]) * kLn2 : -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) o[4 * j + 2 * h] *= f, o[4 * j + 2 * h + 1] *= f;
-  }
-  const int rope0 = kDim - 2 * P.rope_pairs;
-  if (P.rope_pairs > 0) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = col0 + 8 * j;
-      if (col >= rope0) {
-        const int pi = (col - rope0) >> 1;
-        const float cs = P.cos[t * P.rope_pairs + pi], sn = P.sin[t * P.rope_pairs + pi];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float x0 = o[4 * j + 2 * h], x1 = o[4 * j + 2 * h + 1];
-          o[4 * j + 2 * h] = x0 * cs + x1 * sn;
-          o[4 * j + 2 * h + 1] = x1 * cs - x0 * sn;
-        }
-      }
-    }
-  }
-  if (!P.mxfp8) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      __nv_bfloat16* ob = static_cast<__nv_bfloat16*>(P.out) + (t * P.H + hrow[h]) * kDim + col0;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<uint32_t*>(ob + j * 8) = pack_bf16(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
-    }
-  } else {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint8_t* ob = static_cast<uint8_t*>(P.out) + (t * P.H + hrow[h]) * kDim + col0;
-#pragma unroll
-      for (int gg = 0; gg < 8; ++gg) {  // 32-column groups: n8 tiles 4 gg .. 4 gg + 3
-        float am = 0.f;
-#pragma unroll
-        for (int j = 4 * gg; j < 4 * gg + 4; ++j)
-          am = fmaxf(am, fmaxf(finite_abs(o[4 * j + 2 * h]), finite_abs(o[4 * j + 2 * h + 1])));
-        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
-        const int e = ue8m0_exponent(am);
-        const float mul = exp2i(-e);
-#pragma unroll
-        for (int j = 4 * gg; j < 4 * gg + 4; ++j) {
-          const float a = fminf(fmaxf(o[4 * j + 2 * h] * mul, -kE4M3Max), kE4M3Max);
-          const float b = fminf(fmaxf(o[4 * j + 2 * h + 1] * mul, -kE4M3Max), kE4M3Max);
-          const __nv_fp8x2_storage_t v = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-          *reinterpret_cast<uint16_t*>(ob + j * 8) = static_cast<uint16_t>(v);
-        }
-        if (qd == 0) P.out_scale[(t * P.H + hrow[h]) * 16 + w * 8 + gg] = static_cast<uint8_t>(e + 127);
-      }
-    }
-  }
+  attn_dev::write_output(P, t, hrow, w, qd, m_run, l_run,
+                         [&](int j, int i, int k) -> float& { return o[4 * j + 2 * i + k]; });
 #else
   __trap();
 #endif

@@ -1,0 +1,133 @@
+// Device code shared by the sm90 sparse-attention kernels (sparse_attn_sm90_bf16.cuh: mma.sync;
+// sparse_decode_sm90.cuh: wgmma): FP8 row dequantisation and the output epilogue.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "attention/sparse_attention.h"
+#include "common/fp8_utils.cuh"
+
+namespace deepfuse {
+namespace attn_dev {
+
+constexpr int kDim = 512;
+constexpr float kLn2 = 0.69314718055994530942f;
+constexpr float kLog2e = 1.44269504088896340736f;
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ int64_t load_i(const void* p, int is64, int64_t i) {
+  return is64 ? __ldg(static_cast<const long long*>(p) + i) : static_cast<int64_t>(__ldg(static_cast<const int*>(p) + i));
+}
+
+// 16 e4m3 (a uint4) times 2^e -> 16 bf16 (two uint4), as kv_dequantise_rows: fp32 product
+// rounded to bf16.
+__device__ __forceinline__ void dequant16(const uint4& raw, float mul, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const __nv_fp8x2_storage_t pr = static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * k)) & 0xffffu);
+      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pr, __NV_E4M3);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+      o[2 * i + k] = pack_bf16(f.x * mul, f.y * mul);
+    }
+  }
+  lo = make_uint4(o[0], o[1], o[2], o[3]);
+  hi = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// The epilogue of one thread's accumulator: two head rows hrow[i] of query row t, 32 n8 tiles
+// of 256 output columns (half `half` of the 512): o(j, i, k) is column half * 256 + 8 j + 2 qd + k
+// of row i, m_run / l_run the row's running max (log2 units) and quad-summed sum.
+// Split-KV (P.splits > 1): unnormalised fp32 partials and (max, sum) into the workspace.
+// Otherwise: sink normalisation, lse, inverse RoPE on the last 2 * rope_pairs columns, bf16 or
+// MXFP8 (e4m3 + UE8M0 per 32 columns, group amax over the quad).
+template <class Acc>
+__device__ __forceinline__ void write_output(const AttnParams& P, int64_t t, const int (&hrow)[2], int half, int qd,
+                                             const float (&m_run)[2], const float (&l_run)[2], Acc&& o) {
+  const int col0 = half * 256 + 2 * qd;  // column of o(j, i, 0) = col0 + 8 j
+  if (P.splits > 1) {
+    const int64_t base = (static_cast<int64_t>(blockIdx.y) * P.T + t) * P.H;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float* wo = P.ws_o + (base + hrow[i]) * kDim + col0;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) *reinterpret_cast<float2*>(wo + j * 8) = make_float2(o(j, i, 0), o(j, i, 1));
+      if (half == 0 && qd == 0)
+        *reinterpret_cast<float2*>(P.ws_ml + (base + hrow[i]) * 2) = make_float2(m_run[i], l_run[i]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float sk = P.sink[hrow[i]] * kLog2e;
+    float M = fmaxf(m_run[i], sk);
+    if (M == -INFINITY) M = 0.f;
+    const float w = exp2f(m_run[i] - M);
+    const float f = w / (l_run[i] * w + exp2f(sk - M));
+    if (half == 0 && qd == 0)
+      P.lse[t * P.H + hrow[i]] = l_run[i] > 0.f ? (log2f(l_run[i]) + m_run[i]) * kLn2 : -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) o(j, i, 0) *= f, o(j, i, 1) *= f;
+  }
+  const int rope0 = kDim - 2 * P.rope_pairs;
+  if (P.rope_pairs > 0) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = col0 + 8 * j;
+      if (col >= rope0) {
+        const int pi = (col - rope0) >> 1;
+        const float cs = P.cos[t * P.rope_pairs + pi], sn = P.sin[t * P.rope_pairs + pi];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float x0 = o(j, i, 0), x1 = o(j, i, 1);
+          o(j, i, 0) = x0 * cs + x1 * sn;
+          o(j, i, 1) = x1 * cs - x0 * sn;
+        }
+      }
+    }
+  }
+  if (!P.mxfp8) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      __nv_bfloat16* ob = static_cast<__nv_bfloat16*>(P.out) + (t * P.H + hrow[i]) * kDim + col0;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) *reinterpret_cast<uint32_t*>(ob + j * 8) = pack_bf16(o(j, i, 0), o(j, i, 1));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      uint8_t* ob = static_cast<uint8_t*>(P.out) + (t * P.H + hrow[i]) * kDim + col0;
+#pragma unroll
+      for (int gg = 0; gg < 8; ++gg) {  // 32-column groups: n8 tiles 4 gg .. 4 gg + 3
+        float am = 0.f;
+#pragma unroll
+        for (int j = 4 * gg; j < 4 * gg + 4; ++j) am = fmaxf(am, fmaxf(finite_abs(o(j, i, 0)), finite_abs(o(j, i, 1))));
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+        const int e = ue8m0_exponent(am);
+        const float mul = exp2i(-e);
+#pragma unroll
+        for (int j = 4 * gg; j < 4 * gg + 4; ++j) {
+          const float a = fminf(fmaxf(o(j, i, 0) * mul, -kE4M3Max), kE4M3Max);
+          const float b = fminf(fmaxf(o(j, i, 1) * mul, -kE4M3Max), kE4M3Max);
+          const __nv_fp8x2_storage_t v = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+          *reinterpret_cast<uint16_t*>(ob + j * 8) = static_cast<uint16_t>(v);
+        }
+        if (qd == 0) P.out_scale[(t * P.H + hrow[i]) * 16 + half * 8 + gg] = static_cast<uint8_t>(e + 127);
+      }
+    }
+  }
+}
+
+}  // namespace attn_dev
+}  // namespace deepfuse
