@@ -38,6 +38,22 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
+
+// Eight values of a 128-value group spread over 16 consecutive lanes (every lane of the warp
+// takes part): scaled into e4m3 range in place; returns the group's fp32 scale (the activation
+// cast's rule).
+__device__ __forceinline__ float scale8_group128(float (&v)[8]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[i]));
+#pragma unroll
+  for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float s = fp32_scale(amax), mul = 1.0f / s;  // IEEE reciprocal, as the cast
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] *= mul;
+  return s;
+}
+
 // Item q of an activation cast into e4m3 swizzled [BT x 128] tiles per 128-wide chunk: 8 values
 // (raw: one 16-byte bf16 load or two fp32 loads) of row r = (q / 16) % BT, chunk kc = q / (16 BT),
 // scaled by their row's fp32 scale over the chunk (fp8_group_cast's math: the 16 consecutive
@@ -54,14 +70,7 @@ __device__ __forceinline__ void cast_item8(const uint4 (&raw)[V], int BT, int q,
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = f0[i], v[4 + i] = f1[i];
   }
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[i]));
-#pragma unroll
-  for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float s = fp32_scale(amax), mul = 1.0f / s;  // IEEE reciprocal, as the cast
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] *= mul;
+  const float s = scale8_group128(v);
   if (q < items) {
     *reinterpret_cast<uint2*>(sX + kc * BT * 128 + r * 128 + ((((p >> 1) ^ (r & 7)) << 4) | ((p & 1) << 3))) =
         to_e4m3x8(v);

@@ -116,14 +116,7 @@ __global__ void __launch_bounds__(256) gather_cast_kernel(const AT* __restrict__
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = 0.0f;
     }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_abs(v[i]));
-#pragma unroll
-    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float sc = fp32_scale(amax), mul = 1.0f / sc;  // IEEE reciprocal, as the cast
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] *= mul;
+    const float sc = tma::scale8_group128(v);
     if (ok) {
       *reinterpret_cast<uint2*>(o + k0) = to_e4m3x8(v);
       if ((threadIdx.x & 15) == 0) sT[static_cast<int64_t>(k0 / 128) * Pp + p] = sc;
