@@ -21,6 +21,10 @@ from deepfuse.ops.linear import check_weight
 from .config import V4Config
 from .linear import META, Linear, add_slot
 
+# From this many rows on (CUDA, bf16 activations) the router logits come from one bf16 GEMM
+# with fp32 accumulation and output over the gate weight's three bf16 terms (see Gate.logits).
+ROUTER_SPLIT_MIN_T = 512
+
 
 class Gate(nn.Module):
     def __init__(self, cfg: V4Config, is_hash: bool):
@@ -31,6 +35,28 @@ class Gate(nn.Module):
             add_slot(self, "tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "index")
         else:
             add_slot(self, "bias", (cfg.n_routed_experts,), "fp32")
+        self._terms, self._terms_key = None, None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 router logits x @ weight^T for x [T, d]. From ROUTER_SPLIT_MIN_T bf16 rows on CUDA:
+        weight = hi + mid + lo exactly (three bf16 terms hold its 24 mantissa bits), every bf16
+        product is exact in fp32, so one bf16 GEMM with fp32 output over the stacked [3E, d]
+        terms equals the fp32 GEMM up to the order of the fp32 sums."""
+        if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= ROUTER_SPLIT_MIN_T:
+            y = torch.mm(x, self._weight_terms().t(), out_dtype=torch.float32).view(x.shape[0], 3, -1)
+            return (y[:, 0] + y[:, 1]) + y[:, 2]
+        return F.linear(x.float(), self.weight)
+
+    def _weight_terms(self) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._terms_key != key:
+            hi = w.bfloat16()
+            r = w - hi.float()
+            mid = r.bfloat16()
+            self._terms = torch.cat([hi, mid, (r - mid.float()).bfloat16()]).contiguous()
+            self._terms_key = key
+        return self._terms
 
 
 class Experts(nn.Module):
@@ -88,7 +114,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        logits = F.linear(flat.float(), self.gate.weight)
+        logits = self.gate.logits(flat)
         hash_ids = None
         if self.is_hash:
             if input_ids is None:
