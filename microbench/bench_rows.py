@@ -5,6 +5,7 @@ the top-k written as slots.
 python -m microbench.bench_rows --out DIR [--quick] [--next-n 1,2,4]
 python -m microbench.bench_rows --out DIR --indexer [--next-n 1,2,4] [--batches 1,8,...] [--contexts 8192,65536]
     [--idx-heads 64,32] [--q-modes exact,fp8] [--orders random,paged] [--env "A=1;A=0+B=2"] [--no-per-token] [--once]
+python -m microbench.bench_rows --out DIR --indexer --prefill 1024,4096 [--contexts 32768] [--q-modes ...] [--env ...]
 
 Per case: time, bytes moved per second and the fraction of the copy ceiling measured in this
 run (bytes = what the op must read and write once), TFLOP/s for the indexer, and the ratio to
@@ -30,6 +31,7 @@ from deepfuse import _ext, ops
 from deepfuse import kv_format as F
 from deepfuse.ops.kvcache import RowTarget
 from microbench import harness as H
+from microbench.bench_moe import fp8_peak_tflops
 
 DEV = "cuda"
 
@@ -79,23 +81,91 @@ def indexer_case(B, C, next_n, g, per_token=False, heads=64, q_fp8=False, order=
                                                                                      q_fp8=q_fp8))
 
 
+def prefill_case(T, C, g, heads=64, q_fp8=False):
+    """(name, rows, bytes, flops, fn) of indexer_logits_paged as a prefill step issues it: T query
+    tokens of one request (the last T positions of a context whose compressed keys are C; ratio 4:
+    token i sees C - (T - 1 - i) // 4 entries), the engine's page-ordered entries, page size 64.
+    flops = 2 * 128 * heads per visible (token, entry)."""
+    ps = 64
+    npp = (C + ps - 1) // ps
+    P = npp + 1
+    kp = torch.randint(0, 120, (P, ps * F.IDX_ROW_BYTES), dtype=torch.uint8, device=DEV)
+    kp[:, ps * 128:].view(torch.float32)[:] = 0.01
+    e = torch.arange(C, device=DEV)
+    entry = (torch.randperm(P, device=DEV)[:npp][e // ps] * ps + e % ps).view(1, C)
+    req = torch.zeros(T, dtype=torch.int64, device=DEV)
+    nv = (C - (T - 1 - torch.arange(T, device=DEV)) // 4).clamp(min=0).to(torch.int32)
+    q = _bf(T, heads, 128, g=g)
+    wts = torch.randn(T, heads, device=DEV) * 0.125
+    flops = 2 * 128 * heads * int(nv.sum())
+    name = f"indexer prefill T={T} C={C} H={heads}" + (" q_fp8" if q_fp8 else "")
+    return (name, T, C * (F.IDX_ROW_BYTES + 8) + T * C * 4, flops,
+            lambda q=q, w=wts, kp=kp, e=entry, r=req, n=nv: ops.indexer_logits_paged(q, w, kp, ps, e, r, n, 0.088,
+                                                                                     q_fp8=q_fp8))
+
+
+def prefill_rows(ctx, g, rows_list, contexts, heads=(64,), q_modes=(False,), envs=("",), peak=None, once=False):
+    """The prefill cases (prefill_case) under each env set; TFLOP/s and the fraction of the FP8
+    peak measured in this run."""
+    out = []
+    for hh in heads:
+        for q_fp8 in q_modes:
+            for C in contexts:
+                for T in rows_list:
+                    for env in envs:
+                        saved = _set_env(env)
+                        name, M, nbytes, flops, fn = prefill_case(T, C, g, heads=hh, q_fp8=q_fp8)
+                        if env:
+                            name += " " + env.replace("DEEPFUSE_INDEXER_", "")
+                        if once:
+                            fn()
+                            torch.cuda.synchronize()
+                        else:
+                            t = H.time_fn(fn)
+                            r = dict(case=name, rows=M, H=hh, q_fp8=q_fp8, env=env, C=C, T=T, us=t.median_us,
+                                     TBps=nbytes / t.s / 1e12, frac_copy=nbytes / t.s / 1e12 / ctx.copy_tbps,
+                                     TFLOPs=flops / t.s / 1e12)
+                            if peak:
+                                r["frac_fp8_peak"] = r["TFLOPs"] / peak
+                            out.append(r)
+                            H.print_table([r], PREFILL_COLS)
+                        del fn
+                        torch.cuda.empty_cache()
+                        _restore_env(saved)
+    return out
+
+
+def _set_env(env):
+    saved = {}
+    for kv in (x for x in env.split("+") if x):
+        k, v = kv.split("=", 1)
+        saved[k] = os.environ.get(k)
+        os.environ[k] = v
+    return saved
+
+
+def _restore_env(saved):
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def indexer_rows(ctx, g, next_n, batches, contexts, once=False, heads=(64,), q_modes=(False,), per_token=True,
                  orders=("random",), envs=("",)):
     rows = []
     grid = ((hh, q_fp8, order, env, C, nn, B) for hh in heads for q_fp8 in q_modes for order in orders for env in envs
             for C in contexts for nn in next_n for B in batches)
     for hh, q_fp8, order, env, C, nn, B in grid:
-        saved = {}
-        for kv in (x for x in env.split("+") if x):
-            k, v = kv.split("=", 1)
-            saved[k] = os.environ.get(k)
-            os.environ[k] = v
+        saved = _set_env(env)
         name, M, nbytes, flops, fn = indexer_case(B, C, nn, g, heads=hh, q_fp8=q_fp8, order=order)
         if env:
             name += " " + env.replace("DEEPFUSE_INDEXER_", "")
         if once:  # one call per case, untimed (for a profiler)
             fn()
             torch.cuda.synchronize()
+            _restore_env(saved)
             continue
         t = H.time_fn(fn)
         del fn
@@ -109,11 +179,7 @@ def indexer_rows(ctx, g, next_n, batches, contexts, once=False, heads=(64,), q_m
         rows.append(r)
         H.print_table([r], INDEXER_COLS)
         torch.cuda.empty_cache()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _restore_env(saved)
     return rows
 
 
@@ -180,6 +246,8 @@ def _extra(ap):
                     "terms), fp8 (q rounded to e4m3, DeepGEMM's contract)")
     ap.add_argument("--no-per-token", action="store_true", help="--indexer: skip the one-token-per-CTA launches")
     ap.add_argument("--orders", default="random", help="--indexer: comma list of random, paged (module doc)")
+    ap.add_argument("--prefill", type=_ints, default=[], help="--indexer: prefill cases of these query rows "
+                    "(one request, the last rows of a context of --contexts keys; prefill_case) instead of decode")
     ap.add_argument("--env", default="", help="--indexer: sets of environment variables to run each case under "
                     "(';' between sets, '+' between variables; empty: the environment as it is)")
 
@@ -187,6 +255,20 @@ def _extra(ap):
 def main(argv=None):
     args, ctx = H.start(argv, _extra)
     g = torch.Generator(device=DEV).manual_seed(0)
+    if args.indexer and args.prefill:
+        modes = [{"exact": False, "fp8": True}[m] for m in args.q_modes.split(",") if m]
+        peak = None if args.once else fp8_peak_tflops()
+        ctx.extra["fp8_peak_tflops"] = peak
+        if peak:
+            print(f"FP8 peak (torch._scaled_mm 8192^3, this run): {peak:.0f} TFLOP/s")
+        rows = prefill_rows(ctx, g, args.prefill, args.contexts, args.idx_heads, modes,
+                            args.env.split(";") if args.env else [""], peak, args.once)
+        if args.once:
+            return
+        print()
+        H.print_table(rows, PREFILL_COLS)
+        H.save(args.out, "rows_indexer_prefill", ctx, rows)
+        return
     if args.indexer:
         modes = [{"exact": False, "fp8": True}[m] for m in args.q_modes.split(",") if m]
         rows = indexer_rows(ctx, g, args.next_n, args.batches, args.contexts, args.once, args.idx_heads, modes,
@@ -215,6 +297,8 @@ def main(argv=None):
 
 COLS = [("case", "{}"), ("rows", "{}"), ("us", "{:.1f}"), ("TBps", "{:.2f}"), ("frac_copy", "{:.2f}"),
         ("TFLOPs", "{:.0f}"), ("ref_us", "{:.1f}"), ("x_ref", "{:.1f}")]
+PREFILL_COLS = [("case", "{}"), ("rows", "{}"), ("us", "{:.1f}"), ("TFLOPs", "{:.0f}"), ("frac_fp8_peak", "{:.2f}"),
+                ("TBps", "{:.2f}")]
 INDEXER_COLS = [("case", "{}"), ("rows", "{}"), ("us", "{:.1f}"), ("TBps", "{:.2f}"), ("frac_copy", "{:.2f}"),
                 ("TFLOPs", "{:.0f}"), ("per_token_us", "{:.1f}"), ("x_per_token", "{:.2f}")]
 

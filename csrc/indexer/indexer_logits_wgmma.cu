@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <cstdlib>
 #include <stdexcept>
 
 #include "common/arch.h"
@@ -30,6 +31,11 @@ constexpr int kTile = 64;    // entries per tile (wgmma M)
 constexpr int kRow = 128;    // bytes per key row (K)
 constexpr int kTileBytes = kTile * kRow;
 constexpr int kStages = 4;   // key tiles per CTA: 3 in flight while one is computed
+constexpr int kStagesPipe = 5;  // the pipelined loop: 3 in flight, one computed, one still read
+constexpr int kPipeDefault = 0;  // pipe_mode() without DEEPFUSE_INDEXER_PIPE
+// Prefill groups (PIPE): tokens per CTA whose B tiles (H * TERMS rows of 128 bytes each) fill at
+// most 512 rows (64 KB: two CTAs per SM with the key stages), at most 8.
+constexpr int prefill_rows(int H, int terms) { return 512 / (H * terms) < 8 ? 512 / (H * terms) : 8; }
 
 struct WArgs {
   const __nv_bfloat16* q;
@@ -61,7 +67,13 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ float2 lds_f2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
 template <int R>
 __device__ __forceinline__ void fence_regs(float (&d)[R]) {
 #pragma unroll
@@ -95,7 +107,10 @@ struct Layout {
 };
 
 // Tokens n0 .. n0 + R - 1 (all of request `req`) against entries [e_begin, e_end).
-template <int H, int TERMS, int G, int R, int S>
+// PIPE: tile copies run L = S - 2 tiles ahead (the stage of tile it - 1 is still read by its last
+// wgmmas while tile it starts) and the wgmmas of job j + 1 run while job j's epilogue does (two
+// accumulators); else L = S - 1 and each token's wgmmas are waited for before its epilogue.
+template <int H, int TERMS, int G, int R, int S, bool PIPE>
 __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n0, int64_t req, int e_begin,
                                           int e_end) {
   using L = Layout<H, TERMS, G, S>;
@@ -117,6 +132,7 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   const uint32_t ks_u32 = smem_u32(sm + L::kScale);
   const float* ksc = reinterpret_cast<const float*>(sm + L::kScale);
   float* wq = reinterpret_cast<float*>(sm + L::kW);
+  const uint32_t wq_u32 = smem_u32(wq);
 
   // Gather: thread tid copies chunk (tid & 7) of rows (tid >> 3) + 16 k, k < 4, and the scale of
   // those rows (chunk-0 threads). Slot indices come one tile ahead, in registers.
@@ -150,16 +166,17 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     }
   };
 
+  constexpr int kAhead = PIPE ? S - 2 : S - 1;  // tiles in flight ahead of the one computed
   const int ntiles = (live_end - e_begin + kTile - 1) / kTile;
   int64_t nxt[4];
   {
-    int64_t s[S - 1][4];
+    int64_t s[kAhead][4];
 #pragma unroll
-    for (int st = 0; st < S - 1; ++st)
+    for (int st = 0; st < kAhead; ++st)
       if (st < ntiles) fetch_slots(s[st], e_begin + st * kTile);
-    if (S - 1 < ntiles) fetch_slots(nxt, e_begin + (S - 1) * kTile);
+    if (kAhead < ntiles) fetch_slots(nxt, e_begin + kAhead * kTile);
 #pragma unroll
-    for (int st = 0; st < S - 1; ++st) {
+    for (int st = 0; st < kAhead; ++st) {
       if (st < ntiles) load_tile(st, s[st]);
       cp_commit();
     }
@@ -213,6 +230,108 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   fence_proxy_async();  // the B tiles (generic stores) before the wgmmas (async proxy); barrier below
 
   const int r0 = 16 * warp + g, r1 = r0 + 8;
+  if constexpr (PIPE) {
+    // A job: TPJ consecutive tokens in one wgmma chain (their B tiles are contiguous), N = NJ.
+    constexpr int TPJ = (R % 4 == 0 && 4 * H * TERMS <= 128) ? 4 : (R % 2 == 0 && 2 * H * TERMS <= 128) ? 2 : 1;
+    constexpr int J = R / TPJ, NJ = TPJ * H * TERMS;
+    float acc0[NJ / 2], acc1[NJ / 2];
+    // Head sum of job k's tokens from accumulator acc (rows r0, r1 of the tile at e0, key scales
+    // s0, s1): the same operations in the same order as the per-token path.
+    auto epilogue = [&](float (&acc)[NJ / 2], int k, int e0, float s0, float s1) {
+#pragma unroll
+      for (int u = 0; u < TPJ; ++u) {
+        const int r = k * TPJ + u;
+        const uint32_t w = wq_u32 + (r * H + 2 * t) * 4;
+        float p0 = 0.0f, p1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < H / 8; ++j) {
+          const float2 w2 = lds_f2(w + 32 * j);  // (volatile: not hoisted out of the tile loop)
+          constexpr int ub = TERMS * H / 8;  // accumulator column blocks of 8 per token
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            float d0 = acc[4 * (u * ub + j) + b], d1 = acc[4 * (u * ub + j) + 2 + b];
+            if constexpr (TERMS == 2) {
+              d0 = fmaf(acc[4 * (u * ub + j + H / 8) + b], 0.0625f, d0);
+              d1 = fmaf(acc[4 * (u * ub + j + H / 8) + 2 + b], 0.0625f, d1);
+            }
+            const float wb = b ? w2.y : w2.x;
+            p0 = fmaf(wb, fmaxf(d0, 0.0f), p0);
+            p1 = fmaf(wb, fmaxf(d1, 0.0f), p1);
+          }
+        }
+        p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
+        p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
+        p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
+        p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
+        float* orow = a.out + (n0 + r) * a.C + e0;
+        if (t == 0 && e0 + r0 < live[r]) orow[r0] = s0 * p0;
+        if (t == 1 && e0 + r1 < live[r]) orow[r1] = s1 * p1;
+      }
+    };
+    int pe0 = 0;        // the previous tile's first entry and key scales (its last job's epilogue)
+    float ps0 = 0.0f, ps1 = 0.0f;
+    // Tile it; P: the accumulator of its job 0 (jobs alternate accumulators across tiles); FIRST: it == 0.
+    auto tile = [&]<int P, bool FIRST>(int it) {
+      const int st = it % S, e0 = e_begin + it * kTile;
+      cp_wait<kAhead - 1>();
+      fence_proxy_async();
+      __syncthreads();  // tile it landed for all; every warp is past tile it - 1's job-0 wait
+      const uint32_t ka = keys_u32 + st * kTileBytes;
+      uint32_t qb = q_u32;
+      asm volatile("" : "+r"(qb));  // the B descriptors are made per tile, not held across the loop
+      const float s0 = a.scale * ksc[st * kTile + r0], s1 = a.scale * ksc[st * kTile + r1];
+#pragma unroll
+      for (int k = 0; k < J; ++k) {
+        float(&acc)[NJ / 2] = ((P + k) & 1) ? acc1 : acc0;
+        float(&prev)[NJ / 2] = ((P + k) & 1) ? acc0 : acc1;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_n<NJ>(acc, smem_desc(ka + 32 * kk), smem_desc(qb + k * TPJ * L::kQBytes + 32 * kk), kk);
+        wgmma_commit();
+        if (k == 0) {
+          // refill the stage of tile it - 2 (its wgmmas completed before every warp's barrier)
+          if (it + kAhead < ntiles) {
+            load_tile((it + kAhead) % S, nxt);
+            if (it + kAhead + 1 < ntiles) fetch_slots(nxt, e0 + (kAhead + 1) * kTile);
+          }
+          cp_commit();
+          if constexpr (!FIRST) {
+            wgmma_wait<1>();
+            fence_regs(prev);
+            epilogue(prev, J - 1, pe0, ps0, ps1);
+          }
+        } else {
+          wgmma_wait<1>();
+          fence_regs(prev);
+          epilogue(prev, k - 1, e0, s0, s1);
+        }
+      }
+      pe0 = e0;
+      ps0 = s0;
+      ps1 = s1;
+    };
+    // the last job's epilogue; B: its accumulator
+    auto finish = [&]<int B>() {
+      wgmma_wait<0>();
+      float(&acc)[NJ / 2] = B ? acc1 : acc0;
+      fence_regs(acc);
+      epilogue(acc, J - 1, pe0, ps0, ps1);
+    };
+    tile.template operator()<0, true>(0);  // (tile 0 has no job before it)
+    int it = 1;
+    for (; it + 1 < ntiles; it += 2) {
+      tile.template operator()<J & 1, false>(it);
+      tile.template operator()<0, false>(it + 1);
+    }
+    if (it < ntiles) {
+      tile.template operator()<J & 1, false>(it);
+      finish.template operator()<((J & 1) + J - 1) & 1>();
+    } else {
+      finish.template operator()<(J - 1) & 1>();
+    }
+    return;
+  }
   for (int it = 0; it < ntiles; ++it) {
     const int st = it % S, e0 = e_begin + it * kTile;
     cp_wait<S - 2>();
@@ -240,7 +359,7 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
           wgmma_n<N>(acc, smem_desc(ka + 32 * k), smem_desc(q_u32 + r * L::kQBytes + 32 * k), k);
         wgmma_commit();
       }
-      wgmma_wait0();
+      wgmma_wait<0>();
       fence_regs(acc);
       const float* w = wq + r * H;
       float p0 = 0.0f, p1 = 0.0f;
@@ -270,7 +389,7 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   }
 }
 
-template <int H, int TERMS, int G, int S>
+template <int H, int TERMS, int G, int S, bool PIPE>
 __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) {
 #if DEEPFUSE_SM90A_DEVICE
   extern __shared__ uint8_t smem_raw[];
@@ -286,11 +405,11 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
     for (int r = 1; r < G; ++r) shared = shared && (r >= rows || __ldg(a.token_req + n0 + r) == req);
   }
   if (shared) {
-    rows_pass<H, TERMS, G, G, S>(a, sm, n0, req, e_begin, e_end);
+    rows_pass<H, TERMS, G, G, S, PIPE>(a, sm, n0, req, e_begin, e_end);
   } else {
     for (int r = 0; r < rows; ++r) {
       if (r) __syncthreads();
-      rows_pass<H, TERMS, G, 1, S>(a, sm, n0 + r, __ldg(a.token_req + n0 + r), e_begin, e_end);
+      rows_pass<H, TERMS, G, 1, S, PIPE>(a, sm, n0 + r, __ldg(a.token_req + n0 + r), e_begin, e_end);
     }
   }
 #else
@@ -298,10 +417,10 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
 #endif
 }
 
-template <int H, int TERMS, int G, int S>
+template <int H, int TERMS, int G, int S, bool PIPE>
 void launch(const WArgs& a, cudaStream_t stream) {
   constexpr int smem = Layout<H, TERMS, G, S>::kAlloc;
-  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S>;
+  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S, PIPE>;
   static int resident_of[64] = {};  // per device: the attribute is set once on each
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
@@ -330,14 +449,25 @@ void launch(const WArgs& a, cudaStream_t stream) {
   check_launch("indexer_wgmma_kernel");
 }
 
-template <int H, int TERMS, int S>
+template <int H, int TERMS, int S, bool PIPE>
 void launch_g(const WArgs& a, int G, cudaStream_t stream) {
-  switch (G) {
-    case 4: launch<H, TERMS, 4, S>(a, stream); break;
-    case 3: launch<H, TERMS, 3, S>(a, stream); break;
-    case 2: launch<H, TERMS, 2, S>(a, stream); break;
-    default: launch<H, TERMS, 1, S>(a, stream); break;
+  constexpr int kPre = prefill_rows(H, TERMS);
+  if constexpr (PIPE && kPre != 4) {
+    if (G == kPre) return launch<H, TERMS, kPre, S, PIPE>(a, stream);
   }
+  switch (G) {
+    case 4: launch<H, TERMS, 4, S, PIPE>(a, stream); break;
+    case 3: launch<H, TERMS, 3, S, PIPE>(a, stream); break;
+    case 2: launch<H, TERMS, 2, S, PIPE>(a, stream); break;
+    default: launch<H, TERMS, 1, S, PIPE>(a, stream); break;
+  }
+}
+
+// DEEPFUSE_INDEXER_PIPE: 0 the per-token tile loop everywhere, 1 the pipelined one (rows_pass
+// PIPE) everywhere, 2 the pipelined one for prefill launches only; read per call (benchmarks).
+int pipe_mode() {
+  const char* v = std::getenv("DEEPFUSE_INDEXER_PIPE");
+  return v != nullptr && v[0] >= '0' && v[0] <= '2' ? v[0] - '0' : kPipeDefault;
 }
 
 }  // namespace
@@ -355,12 +485,23 @@ void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* 
   }
   const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
                 entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, 1};
-  const int G = indexer_rows_per_cta(N, num_reqs);
-  if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, G, stream);
-  else if (H == 64 && q_terms == 1) launch_g<64, 1, kStages>(a, G, stream);
-  else if (H == 32 && q_terms == 2) launch_g<32, 2, kStages>(a, G, stream);
-  else if (H == 32 && q_terms == 1) launch_g<32, 1, kStages>(a, G, stream);
-  else throw std::invalid_argument("deepfuse: indexer_logits_paged: H must be 32 or 64, q_terms 1 or 2");
+  if ((H != 32 && H != 64) || (q_terms != 1 && q_terms != 2))
+    throw std::invalid_argument("deepfuse: indexer_logits_paged: H must be 32 or 64, q_terms 1 or 2");
+  int G = indexer_rows_per_cta(N, num_reqs);
+  const bool prefill = G == 4 && N >= 8 * num_reqs;  // >= 8 tokens per request on average
+  const int mode = pipe_mode();
+  if (mode == 1 || (mode == 2 && prefill)) {
+    if (prefill) G = prefill_rows(H, q_terms);
+    if (H == 64 && q_terms == 2) launch_g<64, 2, kStagesPipe, true>(a, G, stream);
+    else if (H == 64) launch_g<64, 1, kStagesPipe, true>(a, G, stream);
+    else if (q_terms == 2) launch_g<32, 2, kStagesPipe, true>(a, G, stream);
+    else launch_g<32, 1, kStagesPipe, true>(a, G, stream);
+    return;
+  }
+  if (H == 64 && q_terms == 2) launch_g<64, 2, kStages, false>(a, G, stream);
+  else if (H == 64) launch_g<64, 1, kStages, false>(a, G, stream);
+  else if (q_terms == 2) launch_g<32, 2, kStages, false>(a, G, stream);
+  else launch_g<32, 1, kStages, false>(a, G, stream);
 }
 
 }  // namespace deepfuse

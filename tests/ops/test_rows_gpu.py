@@ -325,6 +325,54 @@ def test_indexer_logits_paged_page_sizes(ps, order):
     _check_indexer(token_req, n_vis, B, 901, g, ps=ps, H=32, q_fp8=True, order=order)
 
 
+def _prefill_tokens(lens, C):
+    """token_req and causal n_vis of prefill chunks: request b's lens[b] tokens are the last of
+    a context whose C - 3 b compressed keys they see up to (ratio 4: C' - (len - 1 - i) // 4)."""
+    req = torch.repeat_interleave(torch.arange(len(lens), device=DEV), torch.tensor(lens, device=DEV))
+    nv = torch.cat([(C - 3 * b - (n - 1 - torch.arange(n, device=DEV)) // 4).clamp(min=0)
+                    for b, n in enumerate(lens)])
+    return req, nv.to(torch.int32)
+
+
+@pytest.mark.parametrize("pipe", ["0", "1", "2"])
+@pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
+@pytest.mark.parametrize("lens,C", [([301], 1500), ([150, 77, 200, 9], 700), ([64], 4100)])
+def test_indexer_logits_paged_prefill(lens, C, H, q_fp8, pipe, monkeypatch):
+    """Prefill launches (>= 8 tokens per request: prefill groups of 4-8 tokens under
+    DEEPFUSE_INDEXER_PIPE=1 / 2): one request or chunks of several (groups spanning requests, a
+    short last group), causal n_vis; the bound, poisoned out and bits against one token per CTA."""
+    monkeypatch.setenv("DEEPFUSE_INDEXER_PIPE", pipe)
+    g = _g(sum(lens) + C + H)
+    req, nv = _prefill_tokens(lens, C)
+    _check_indexer(req, nv, len(lens), C, g, H=H, q_fp8=q_fp8, order="paged")
+
+
+@pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
+def test_indexer_pipe_same_bits(H, q_fp8, monkeypatch):
+    """The pipelined tile loop (DEEPFUSE_INDEXER_PIPE=1) gives the bits of the per-token one (0):
+    decode with 1-4 tokens per request and prefill chunks (each token's wgmmas and head sums run
+    in the same order in both)."""
+    g = _g(H + q_fp8)
+    C, ps = 1100, 64
+    pages = _idx_pages(12 * C + 12 * ps, ps, g)
+    for n in (1, 2, 3, 4, 0):
+        if n:
+            B = 5
+            req = torch.arange(B, device=DEV).repeat_interleave(n)
+            nv = torch.randint(0, C + 1, (B * n,), generator=g, device=DEV).to(torch.int32)
+        else:
+            req, nv = _prefill_tokens([40, 3, 70], C)
+            B = 3
+        entry = _entries(pages, ps, B, C, g, "paged")
+        q = _randn(req.shape[0], H, 128, g=g)
+        w = torch.randn(req.shape[0], H, generator=g, device=DEV)
+        outs = []
+        for pipe in ("0", "1"):
+            monkeypatch.setenv("DEEPFUSE_INDEXER_PIPE", pipe)
+            outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
+        assert torch.equal(outs[0], outs[1]), f"next_n {n}: {(outs[0] != outs[1]).sum().item()} values differ"
+
+
 def test_indexer_q_scale_edges():
     """q rows of zeros, tiny, huge and mixed magnitudes (the per-head power-of-two scale and the
     second term): against the reference, both modes."""
@@ -429,7 +477,8 @@ def test_rows_sanitize_small():
 @pytest.mark.sanitize
 def test_indexer_sanitize_groups():
     """indexer_logits_paged's paths for compute-sanitizer: a group of one request's tokens with
-    different n_vis, groups spanning requests (one token at a time), a short last group."""
+    different n_vis, groups spanning requests (one token at a time), a short last group, prefill
+    groups (19 tokens of 2 requests; DEEPFUSE_INDEXER_PIPE as the environment has it)."""
     g = _g(98)
     ps = 16
     kp = _idx_pages(2 * 70, ps, g)
@@ -439,7 +488,8 @@ def test_indexer_sanitize_groups():
     paged[1, 40] = -1
     for H, q_fp8, entry in ((64, False, entry), (32, True, entry), (64, False, paged), (64, True, paged)):
         for req, nv in (([0, 0, 0, 0], [70, 3, 0, 66]), ([0, 1, 0, 1], [70, 70, 9, 0]),
-                        ([0, 0, 0, 0, 1], [1, 2, 3, 4, 70]), ([0, 0, 1, 1], [70, 69, 70, 70])):
+                        ([0, 0, 0, 0, 1], [1, 2, 3, 4, 70]), ([0, 0, 1, 1], [70, 69, 70, 70]),
+                        ([0] * 13 + [1] * 6, list(range(50, 70)) [:13] + [70, 0, 5, 64, 65, 70])):
             n = len(req)
             sc = ops.indexer_logits_paged(_randn(n, H, 128, g=g), torch.rand(n, H, device=DEV), kp, ps, entry,
                                           torch.tensor(req, device=DEV),
