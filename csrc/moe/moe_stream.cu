@@ -5,15 +5,23 @@
 // One CTA per SM, 288 threads: a producer warp and two consumer warpgroups. The work is the
 // sequence of (task, 128-row weight tile) in task order, cut into one contiguous, equal range
 // per CTA, so every touched expert's weights are streamed once, by many CTAs at the same time.
-// - Producer (one thread): each stage (16 KB) is one 128-K chunk of the tile's 128 rows (fp8)
-//   or two chunks of packed e2m1 (mxfp4), loaded by TMA (`cp.async.bulk.tensor`; 128-byte
-//   swizzle for fp8 = wgmma's layout) into a ring of up to 16 stages; full / empty mbarriers
-//   per stage; it runs ahead across tile and task boundaries.
+// - Producer warp: one lane issues every stage (16 KB): one 128-K chunk of the tile's 128 rows
+//   (fp8) or two chunks of packed e2m1 (mxfp4), loaded by TMA (`cp.async.bulk.tensor`, 128-byte
+//   swizzle) into a ring of up to 16 stages; full / empty mbarriers per stage; it runs ahead
+//   across tile and task boundaries. mxfp4: before each tile's stages the 32 lanes copy the
+//   tile's UE8M0 group scales (128 rows x K/32 bytes) into one of two scale slots (cp.async,
+//   completion tracked by the slot's mbarrier), so no consumer waits on a scale load.
 // - Consumers: warpgroup w takes rows [64 w, 64 w + 64) of every stage (swapped wgmma m64 x 16
-//   x k32, e4m3, both operands in shared memory) and releases the stage per warp after its
-//   wgmmas are waited. fp8: one promotion per chunk with the 128 x 128 block scale; mxfp4:
-//   each warpgroup decodes its 64 rows e2m1 -> e4m3 (exact, x 2^-6) into its own tile, four k32
-//   groups accumulated apart, promoted with their UE8M0 scales.
+//   x k32, e4m3, tokens from shared memory). fp8: weights from shared memory, one promotion per
+//   chunk with the 128 x 128 block scale; the stage is released after the wgmmas are waited.
+//   mxfp4: each thread loads the packed words of its two rows of the stage (one 32-bit word per
+//   row per 32-value group), releases the stage at once, and decodes e2m1 -> e4m3 straight into
+//   wgmma's register A fragments (exact: the e4m3 bits m << 2 | s << 7 are the e2m1 value x 2^-6):
+//   the even elements of its word are the fragment's k slots 4 t..4 t + 3, the odd ones slots
+//   16 + 4 t.., so the token tiles of mxfp4 tasks are stored with K permuted the same way within
+//   each 32-group (the dot product is unchanged). A chunk's four k32 wgmmas (one MX group each)
+//   accumulate apart; each is scaled by its row's 2^(s - 127) x 2^6 and summed, then times the
+//   token scale; the next chunk's decode and wgmmas overlap the previous chunk's wait.
 // - Activations: at each task's start the consumers cast the task's rows of A (GEMM1: x
 //   gathered through the plan's token rows; GEMM2: h at the task's positions) into swizzled
 //   e4m3 tiles + fp32 scales per 128 (fp8_per_token_cast's math, bit-identical) in shared
@@ -62,6 +70,7 @@ struct Args {
   const void* sscale0;    // shared expert (fp8): [ceil(N/128), KB]
   const void* sscale1;
   bool sscale_u8;
+  bool sc16;              // mxfp4: the group scales are copied 16 bytes at a time (else 4)
   const int* tasks;       // [U, 3]: expert, first position, end position
   const int* ntasks;
   int ntiles;             // tiles per task
@@ -72,8 +81,11 @@ struct Args {
 };
 
 struct Layout {
-  int ring, xe, x, xs, ws, sc, xch, bar, total;
+  int ring, x, xs, ws, sc, ss, xch, bar, total;
 };
+
+// mxfp4 scale slot row stride (bytes): K/32 plus a pad that spreads a warp's eight rows over the banks
+__host__ __device__ inline int scale_stride(int K) { return (K / 32) % 16 == 0 ? K / 32 + 16 : K / 32 + 4; }
 
 __host__ __device__ inline Layout layout(bool mx, int K, int stages) {
   const int KB = (K + 127) / 128;
@@ -81,8 +93,6 @@ __host__ __device__ inline Layout layout(bool mx, int K, int stages) {
   int off = 0;
   L.ring = off;
   off += stages * kStage;
-  L.xe = off;
-  off += mx ? 2 * 16384 : 0;  // per warpgroup: two decoded e4m3 chunks of 64 rows
   L.x = off;
   off += KB * kBT * 128;
   L.xs = off;
@@ -90,20 +100,23 @@ __host__ __device__ inline Layout layout(bool mx, int K, int stages) {
   L.ws = off;
   off += 2 * 2 * KB * 4;  // per warpgroup: fp8 block scales of gate, up (or w2) per chunk
   L.sc = off;
-  off += mx ? 2 * 64 * (K / 32) : 0;  // per warpgroup: 64 rows of UE8M0 group scales
+  L.ss = mx ? scale_stride(K) : 0;
+  off += mx ? 2 * 128 * L.ss : 0;  // mxfp4: two slots of a tile's 128 rows of UE8M0 group scales
   L.xch = off;
   off += 2 * 64 * 8 * 4;  // per warpgroup: the up half's accumulators
   off = (off + 7) & ~7;
   L.bar = off;
-  off += 2 * stages * 8;
+  off += 2 * stages * 8 + (mx ? 4 * 8 : 0);  // full, empty per stage; mxfp4: full, empty per scale slot
   L.total = off + 1024;
   return L;
 }
 
 // Rows [r0, r1) of A (through a_rows) -> e4m3 swizzled [kBT x 128] tiles per chunk + fp32 scales;
 // rows from r1 on are zeros. All kConsumers threads; 16 consecutive lanes own one (chunk, row).
+// perm (the tokens of mxfp4 tiles): within each 32-group, element 8 t + 2 i goes to k slot 4 t + i
+// and element 8 t + 2 i + 1 to slot 16 + 4 t + i (the register A fragments' order, see the top).
 template <typename AT>
-__device__ __forceinline__ void cast_a(const Args& a, int r0, int r1, char* sX, float* sXS) {
+__device__ __forceinline__ void cast_a(const Args& a, int r0, int r1, char* sX, float* sXS, bool perm) {
   constexpr bool kBf16 = sizeof(AT) == 2;
   constexpr int U = kBf16 ? 8 : 4, V = kBf16 ? 1 : 2;
   const int items = a.KB * kBT * 16, tid = threadIdx.x;
@@ -120,24 +133,99 @@ __device__ __forceinline__ void cast_a(const Args& a, int r0, int r1, char* sX, 
       for (int h = 0; h < V; ++h)
         raw[u][h] = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * a.K + k) + h) : make_uint4(0, 0, 0, 0);
     }
+    if (!perm) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) tma::cast_item8<V>(raw[u], kBT, q0 + u * kConsumers + tid, items, sX, sXS);
+      for (int u = 0; u < U; ++u) tma::cast_item8<V>(raw[u], kBT, q0 + u * kConsumers + tid, items, sX, sXS);
+      continue;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // tma::cast_item8 with the permuted store
+      const int q = q0 + u * kConsumers + tid, kc = q / (kBT * 16), r = (q >> 4) % kBT, p = q & 15;
+      float v[8];
+      if constexpr (V == 1) {
+        widen8(raw[u][0], v);
+      } else {
+        const float* f0 = reinterpret_cast<const float*>(&raw[u][0]);
+        const float* f1 = reinterpret_cast<const float*>(&raw[u][1]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = f0[i], v[4 + i] = f1[i];
+      }
+      const float s = tma::scale8_group128(v);
+      if (q < items) {
+        const uint2 o = to_e4m3x8(v);
+        char* t = sX + kc * kBT * 128 + r * 128 + 4 * (p & 3);
+        const int G = p >> 2;
+        *reinterpret_cast<uint32_t*>(t + (((2 * G) ^ (r & 7)) << 4)) = __byte_perm(o.x, o.y, 0x6420);
+        *reinterpret_cast<uint32_t*>(t + (((2 * G + 1) ^ (r & 7)) << 4)) = __byte_perm(o.x, o.y, 0x7531);
+        if (p == 0) sXS[kc * kBT + r] = s;
+      }
+    }
   }
 }
 
-// This warpgroup's 64 rows of a packed stage (row n at n * 128, chunk c's 64 bytes at c * 64)
-// -> two swizzled e4m3 [64 x 128] tiles (values x 2^-6). 128 threads.
-__device__ __forceinline__ void decode_mx2(const char* pk, char* e, int wt) {
+// wgmma m64n16k32 e4m3 with A from registers (this thread's fragment: rows g, g + 8 of its warp's
+// 16, k slots 4 t.. (a0: row g, a1: row g + 8) and 16 + 4 t.. (a2, a3)); d = A B (scale-d 0).
+__device__ __forceinline__ void wgmma_rs_m64n16k32(float (&d)[8], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(0));
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// One 128-K chunk of packed e2m1 (words w[4 c..4 c + 3]: this thread's word of each 32-group of
+// row g (wa) and row g + 8 (wb)) -> four register fragments -> four k32 wgmmas into p[0..3].
+__device__ __forceinline__ void mx_chunk_mma(float (&p)[4][kBT / 2], const uint32_t (&wa)[8], const uint32_t (&wb)[8],
+                                             int c, uint32_t xa) {
+  uint32_t f[4][4];
 #pragma unroll
-  for (int h = 0; h < 4; ++h) {
-    const int q = wt + 128 * h, c = q >> 8, n = (q >> 2) & 63, qq = q & 3;
-    const uint4 v = *reinterpret_cast<const uint4*>(pk + n * 128 + c * 64 + qq * 16);
-    const uint2 o0 = gemm::e2m1x8_to_e4m3(v.x), o1 = gemm::e2m1x8_to_e4m3(v.y);
-    const uint2 o2 = gemm::e2m1x8_to_e4m3(v.z), o3 = gemm::e2m1x8_to_e4m3(v.w);
-    char* t = e + c * 8192 + n * 128;
-    *reinterpret_cast<uint4*>(t + (((2 * qq) ^ (n & 7)) << 4)) = make_uint4(o0.x, o0.y, o1.x, o1.y);
-    *reinterpret_cast<uint4*>(t + (((2 * qq + 1) ^ (n & 7)) << 4)) = make_uint4(o2.x, o2.y, o3.x, o3.y);
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t x = wa[4 * c + k], y = wb[4 * c + k];
+    f[k][0] = ((x << 2) & 0x1C1C1C1Cu) | ((x << 4) & 0x80808080u);  // even elements
+    f[k][2] = ((x >> 2) & 0x1C1C1C1Cu) | (x & 0x80808080u);         // odd elements
+    f[k][1] = ((y << 2) & 0x1C1C1C1Cu) | ((y << 4) & 0x80808080u);
+    f[k][3] = ((y >> 2) & 0x1C1C1C1Cu) | (y & 0x80808080u);
   }
+  gemm::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) wgmma_rs_m64n16k32(p[k], f[k], gemm::smem_desc(xa + k * 32));
+  gemm::wgmma_commit();
+}
+
+// 2^(s - 127) x 2^6 for UE8M0 byte k of w (= gemm::ue8m0_value(s) * 64 for every s: s = 0 gives
+// 2^-121, s >= 249 infinity).
+__device__ __forceinline__ float mx_scale(uint32_t w, int k) {
+  return __uint_as_float((min((w >> (8 * k)) & 0xFFu, 249u) + 6u) << 23);
+}
+
+// acc += (sum_k p[k] x row scale_k) x token scale, for chunk kc (wgmmas waited, p fenced).
+__device__ __forceinline__ void mx_promote(float (&acc)[kBT / 2], float (&p)[4][kBT / 2], uint32_t sa, uint32_t sb,
+                                           const float* sXS, int kc, int t4) {
+  gemm::fence_regs(p[0]), gemm::fence_regs(p[1]), gemm::fence_regs(p[2]), gemm::fence_regs(p[3]);
+  float c[kBT / 2];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float w0 = mx_scale(sa, k), w1 = mx_scale(sb, k);
+#pragma unroll
+    for (int i = 0; i < kBT / 2; ++i) {
+      const float w = (i & 2) ? w1 : w0;
+      c[i] = k == 0 ? p[k][i] * w : fmaf(p[k][i], w, c[i]);
+    }
+  }
+#pragma unroll
+  for (int c8 = 0; c8 < kBT / 8; ++c8)
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const float s = sXS[kc * kBT + c8 * 8 + 2 * t4 + b];
+      acc[4 * c8 + b] = fmaf(c[4 * c8 + b], s, acc[4 * c8 + b]);
+      acc[4 * c8 + 2 + b] = fmaf(c[4 * c8 + 2 + b], s, acc[4 * c8 + 2 + b]);
+    }
+}
+
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 template <bool MX, bool SWIGLU, typename AT>
@@ -145,11 +233,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
 #if DEEPFUSE_SM90A_DEVICE
   constexpr int R = kBT / 2;
   extern __shared__ char smem_raw[];
-  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // 1024-aligned; offset from smem_raw (not through an integer) so that its loads and stores
+  // stay shared-memory instructions (LDS / STS, not generic LD / ST)
+  char* base = smem_raw + ((1024u - (tma::smem_u32(smem_raw) & 1023u)) & 1023u);
   const int S = a.stages;
   const Layout L = layout(MX, a.K, S);
   uint64_t* full = reinterpret_cast<uint64_t*>(base + L.bar);
   uint64_t* empty = full + S;
+  uint64_t* sfull = empty + S;  // mxfp4 scale slots
+  uint64_t* sempty = sfull + 2;
   const int tid = threadIdx.x;
   const int64_t total = static_cast<int64_t>(*a.ntasks) * a.ntiles;
   const int64_t j0 = total * blockIdx.x / gridDim.x, j1 = total * (blockIdx.x + 1) / gridDim.x;
@@ -166,6 +258,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
       tma::mbar_init(tma::smem_u32(full + s), 1);
       tma::mbar_init(tma::smem_u32(empty + s), 8);  // one arrival per consumer warp
     }
+    if (MX) {
+      for (int s = 0; s < 2; ++s) {
+        tma::mbar_init(tma::smem_u32(sfull + s), 32);  // the producer lanes' cp.async arrivals
+        tma::mbar_init(tma::smem_u32(sempty + s), 8);
+      }
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -175,13 +273,39 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
   auto nst = [&](bool f8) { return f8 ? KB : (KB + 1) / 2; };
   auto rot_of = [&](int e, int t, int n) { return (t * 5 + e * 11) % n; };
 
-  if (tid >= kConsumers) {  // producer warp: one thread issues every stage
-    if (tid == kConsumers) {
-      int i = 0;
-      for (int64_t j = j0; j < j1; ++j) {
-        const int task = static_cast<int>(j / a.ntiles), t = static_cast<int>(j % a.ntiles);
-        const int e = a.tasks[task * 3];
-        const bool sh = e == a.E, f8 = !MX || sh;
+  if (tid >= kConsumers) {  // producer warp
+    const int lane = tid & 31;
+    int i = 0;
+    for (int64_t j = j0; j < j1; ++j) {
+      const int task = static_cast<int>(j / a.ntiles), t = static_cast<int>(j % a.ntiles);
+      const int e = a.tasks[task * 3];
+      const bool sh = e == a.E, f8 = !MX || sh;
+      if (MX) {  // the tile's group scales into slot jj & 1 (every tile takes a slot; fp8 tiles leave it empty)
+        const int jj = static_cast<int>(j - j0), slot = jj & 1;
+        if (jj >= 2) tma::mbar_wait(tma::smem_u32(sempty + slot), ((jj >> 1) - 1) & 1);
+        if (!f8) {
+          const int KWB = a.K / 32, U = a.sc16 ? 16 : 4, per = KWB / U;
+          char* dst0 = base + L.sc + slot * 128 * L.ss;
+          for (int q = lane; q < 128 * per; q += 32) {
+            const int R = q / per, c = q - R * per;
+            int n;
+            const uint8_t* sp;
+            if (SWIGLU) {
+              n = t * 64 + (R >> 6) * 32 + (R & 31);
+              sp = static_cast<const uint8_t*>((R & 32) ? a.scale1 : a.scale0);
+            } else {
+              n = t * 128 + R;
+              sp = static_cast<const uint8_t*>(a.scale0);
+            }
+            const bool ok = n < a.N;
+            const uint8_t* src = sp + (ok ? (static_cast<int64_t>(e) * a.N + n) * KWB + c * U : 0);
+            if (U == 16) gemm::cp_async16(dst0 + R * L.ss + c * 16, src, ok);
+            else gemm::cp_async4(dst0 + R * L.ss + c * 4, src, ok);
+          }
+        }
+        cp_async_mbar_arrive(tma::smem_u32(sfull + slot));
+      }
+      if (lane == 0) {  // one thread issues every stage
         const int n = nst(f8), rot = rot_of(e, t, n);
         const CUtensorMap* m0 = sh ? &maps.s0 : &maps.w0;
         const CUtensorMap* m1 = sh ? &maps.s1 : &maps.w1;
@@ -203,6 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
           }
         }
       }
+      __syncwarp();
     }
     return;
   }
@@ -213,10 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
   char* sX = base + L.x;
   float* sXS = reinterpret_cast<float*>(base + L.xs);
   float* sWS = reinterpret_cast<float*>(base + L.ws) + wg * 2 * KB;
-  const int KW = a.K / 128;  // mxfp4: 32-bit words of group scales per row
-  uint32_t* sSC = reinterpret_cast<uint32_t*>(base + L.sc) + wg * 64 * KW;
   float* xch = reinterpret_cast<float*>(base + L.xch) + wg * 64 * 8;
-  char* sE = base + L.xe + wg * 16384;
   const int bar_wg = 2 + wg;
   const int NB = (a.N + 127) / 128;
 
@@ -230,14 +352,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
     if (task != cur) {  // the task's activations (both warpgroups are past their last wgmma on x)
       tma::named_bar(kBarAll, kConsumers);
       cur = task, r0 = a.tasks[task * 3 + 1], r1 = a.tasks[task * 3 + 2];
-      cast_a<AT>(a, r0, r1, sX, sXS);
+      cast_a<AT>(a, r0, r1, sX, sXS, MX && !sh);
       gemm::fence_proxy_async();
       tma::named_bar(kBarAll, kConsumers);
     }
-    // this warpgroup's scales for the tile (after every warp's last read of the previous ones)
-    tma::named_bar(bar_wg, 128);
     const bool up_rows = SWIGLU && wq >= 2;
-    if (f8) {
+    if (f8) {  // this warpgroup's block scales for the tile (after every warp's last read of the previous ones)
+      tma::named_bar(bar_wg, 128);
       const int nb = SWIGLU ? (t * 64) / 128 : t;
       for (int q = wt; q < (SWIGLU ? 2 : 1) * KB; q += 128) {
         const int m = q / KB, kb = q % KB;
@@ -247,32 +368,16 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
         sWS[m * KB + kb] =
             u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(sp)[off]) : static_cast<const float*>(sp)[off];
       }
-    } else {  // 64 rows x KW words, eight loads in flight per thread
-      for (int q0 = wt; q0 < 64 * KW; q0 += 128 * 8) {
-        uint32_t v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int q = q0 + u * 128, r = q / KW, w = q % KW;
-          const int n = SWIGLU ? t * 64 + wg * 32 + (r & 31) : t * 128 + wg * 64 + r;
-          const uint8_t* sp = static_cast<const uint8_t*>(SWIGLU && r >= 32 ? a.scale1 : a.scale0);
-          v[u] = q < 64 * KW && n < a.N
-                     ? __ldg(reinterpret_cast<const uint32_t*>(sp + (static_cast<int64_t>(e) * a.N + n) * (a.K / 32)) + w)
-                     : 0u;
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-          if (q0 + u * 128 < 64 * KW) sSC[q0 + u * 128] = v[u];
-      }
+      tma::named_bar(bar_wg, 128);
     }
-    tma::named_bar(bar_wg, 128);
 #pragma unroll
     for (int c = 0; c < R; ++c) acc[c] = 0.0f;
     const int n = nst(f8), rot = rot_of(e, t, n);
-    for (int u = 0; u < n; ++u, ++i) {
-      const int st = i % S, ku = (u + rot) % n;
-      const char* stage = base + L.ring + st * kStage;
-      tma::mbar_wait(tma::smem_u32(full + st), (i / S) & 1);
-      if (f8) {
+    if (f8) {
+      for (int u = 0; u < n; ++u, ++i) {
+        const int st = i % S, ku = (u + rot) % n;
+        const char* stage = base + L.ring + st * kStage;
+        tma::mbar_wait(tma::smem_u32(full + st), (i / S) & 1);
         const uint32_t wa = tma::smem_u32(stage + wg * 8192), xa = tma::smem_u32(sX + ku * kBT * 128);
         float part[R];
         gemm::wgmma_fence();
@@ -292,41 +397,54 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
         __syncwarp();
         if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
         gemm::promote<kBT>(acc, part, ws, ws, sa);
-      } else {
-        tma::named_bar(bar_wg, 128);  // every warp's wgmmas on sE are done
-        decode_mx2(stage + wg * 8192, sE, wt);
-        gemm::fence_proxy_async();
-        tma::named_bar(bar_wg, 128);
-        if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int kc = 2 * ku + c;
-          if (kc >= KB) break;
-          const uint32_t ea = tma::smem_u32(sE + c * 8192), xa = tma::smem_u32(sX + kc * kBT * 128);
-          float part[4][R];
-          gemm::wgmma_fence();
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            gemm::wgmma_tile<kBT>(part[k], gemm::smem_desc(ea + k * 32), gemm::smem_desc(xa + k * 32), 0);
-          gemm::wgmma_commit();
-          float sa[kBT / 8][2];
-#pragma unroll
-          for (int c8 = 0; c8 < kBT / 8; ++c8) {
-            sa[c8][0] = sXS[kc * kBT + c8 * 8 + 2 * t4];
-            sa[c8][1] = sXS[kc * kBT + c8 * 8 + 2 * t4 + 1];
-          }
-          const uint32_t sc0 = sSC[rg * KW + kc], sc1 = sSC[(rg + 8) * KW + kc];
-          gemm::wgmma_wait0();
-#pragma unroll
-          for (int k = 0; k < 4; ++k) gemm::fence_regs(part[k]);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const float w0 = gemm::ue8m0_value((sc0 >> (8 * k)) & 0xFF) * 64.0f;
-            const float w1 = gemm::ue8m0_value((sc1 >> (8 * k)) & 0xFF) * 64.0f;
-            gemm::promote<kBT>(acc, part[k], w0, w1, sa);
-          }
-        }
       }
+    }
+    if (MX) {
+      const int jj = static_cast<int>(j - j0), slot = jj & 1;
+      tma::mbar_wait(tma::smem_u32(sfull + slot), (jj >> 1) & 1);
+      if (!f8) {
+        // this thread's rows of the stage: Ra = 64 wg + rg and Ra + 8 (both have row & 7 == g)
+        const int Ra = wg * 64 + rg;
+        const char* sca = base + L.sc + slot * 128 * L.ss + Ra * L.ss;
+        const char* scb = sca + 8 * L.ss;
+        // Stage u: chunks 2 ku (p0) and 2 ku + 1 (p1; with K / 128 odd, the last stage's second
+        // chunk is TMA's zero fill against token chunk 0 and is not promoted). The previous
+        // stage's p1 (waited) is promoted while this stage's first four wgmmas run. Each stage
+        // ends with wait 0: a wgmma in flight across the loop's back edge makes ptxas serialise
+        // them, and a second register set for it spills (168 registers at 288 threads).
+        float p0[4][R], p1[4][R];
+        int kc1 = KB;  // the chunk held in p1 (KB: none)
+        uint32_t s1a = 0, s1b = 0;
+        for (int u = 0; u < n; ++u) {
+          const int st = i % S, ku = (u + rot) % n;
+          const char* ra = base + L.ring + st * kStage + Ra * 128 + 4 * t4;
+          tma::mbar_wait(tma::smem_u32(full + st), (i / S) & 1);
+          uint32_t wa[8], wb[8];
+#pragma unroll
+          for (int G = 0; G < 8; ++G) {  // 128-byte swizzle: group G of row r at 16-byte unit G ^ (r & 7)
+            wa[G] = *reinterpret_cast<const uint32_t*>(ra + ((G ^ g) << 4));
+            wb[G] = *reinterpret_cast<const uint32_t*>(ra + 8 * 128 + ((G ^ g) << 4));
+          }
+          __syncwarp();
+          if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
+          ++i;
+          const int kc = 2 * ku;
+          const bool two = kc + 1 < KB;
+          mx_chunk_mma(p0, wa, wb, 0, tma::smem_u32(sX + kc * kBT * 128));
+          if (kc1 < KB) mx_promote(acc, p1, s1a, s1b, sXS, kc1, t4);
+          const uint32_t s0a = *reinterpret_cast<const uint32_t*>(sca + 8 * ku);
+          const uint32_t s0b = *reinterpret_cast<const uint32_t*>(scb + 8 * ku);
+          kc1 = two ? kc + 1 : KB;
+          s1a = two ? *reinterpret_cast<const uint32_t*>(sca + 8 * ku + 4) : 0u;
+          s1b = two ? *reinterpret_cast<const uint32_t*>(scb + 8 * ku + 4) : 0u;
+          mx_chunk_mma(p1, wa, wb, 1, tma::smem_u32(sX + (two ? kc + 1 : 0) * kBT * 128));
+          gemm::wgmma_wait0();
+          mx_promote(acc, p0, s0a, s0b, sXS, kc, t4);
+        }
+        if (kc1 < KB) mx_promote(acc, p1, s1a, s1b, sXS, kc1, t4);
+      }
+      __syncwarp();
+      if (lane == 0) tma::mbar_arrive(tma::smem_u32(sempty + slot));
     }
 
     // epilogue: thread rows rg (acc[4 c8 + b]) and rg + 8 (acc[4 c8 + 2 + b]), tokens c8 * 8 + 2 t4 + b
@@ -399,11 +517,11 @@ void launch(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
   check_cuda(cudaLaunchKernelEx(&cfg, kern, a, maps), "moe_stream_kernel");
 }
 
-// Maps of one projection: routed [E * N, Kb] (fp8 swizzled / packed mxfp4) and shared [N, K].
+// Maps of one projection (128-byte swizzled boxes): routed [E * N, Kb] (fp8 / packed mxfp4) and shared [N, K].
 bool encode_pair(const MoeProblem& p, const ExpertWeight& w, const ExpertWeight& sw, int N, int K, int box_rows,
                  CUtensorMap& m, CUtensorMap& sm) {
   const bool mx = p.fmt == WeightFmt::kMxfp4;
-  if (!tma::encode_u8_2d(m, w.w, static_cast<int64_t>(p.E) * N, mx ? K / 2 : K, 128, box_rows, !mx)) return false;
+  if (!tma::encode_u8_2d(m, w.w, static_cast<int64_t>(p.E) * N, mx ? K / 2 : K, 128, box_rows, true)) return false;
   if (p.has_shared) return tma::encode_u8_2d(sm, sw.w, N, K, 128, box_rows, true);
   sm = m;  // unused (no task has expert E)
   return true;
@@ -424,11 +542,18 @@ bool moe_stream_gemms(const MoeProblem& p, const MoeStreamIO& io, cudaStream_t s
     return false;
   m2.w1 = m2.w0, m2.s1 = m2.s0;
   const int sms = num_sms();
+  // mxfp4 group scales: rows of K/32 bytes copied 16 (or 4) bytes at a time need that alignment
+  auto aligned = [&](int a, int K) {
+    return (K / 32) % a == 0 && reinterpret_cast<uintptr_t>(p.w1.scale) % a == 0 &&
+           reinterpret_cast<uintptr_t>(p.w3.scale) % a == 0 && reinterpret_cast<uintptr_t>(p.w2.scale) % a == 0;
+  };
+  if (mx && (!aligned(4, p.d) || !aligned(4, p.inter))) return false;
 
   Args a1{};
   a1.a = io.x, a1.a_rows = io.rows, a1.K = p.d, a1.N = p.inter, a1.E = p.E, a1.KB = ceil_div(p.d, 128);
   a1.scale0 = p.w1.scale, a1.scale1 = p.w3.scale, a1.scale_u8 = p.w1.scale_u8;
   a1.sscale0 = p.sw1.scale, a1.sscale1 = p.sw3.scale, a1.sscale_u8 = p.sw1.scale_u8;
+  a1.sc16 = mx && aligned(16, p.d);
   a1.tasks = io.tasks, a1.ntasks = io.ntasks, a1.ntiles = ceil_div(p.inter, 64), a1.stages = st1;
   a1.out = io.h, a1.limit = p.limit;
   const int g1 = static_cast<int>(std::min<int64_t>(sms, io.U * a1.ntiles));
@@ -444,6 +569,7 @@ bool moe_stream_gemms(const MoeProblem& p, const MoeStreamIO& io, cudaStream_t s
   a2.a = io.h, a2.a_rows = nullptr, a2.K = p.inter, a2.N = p.d, a2.E = p.E, a2.KB = ceil_div(p.inter, 128);
   a2.scale0 = a2.scale1 = p.w2.scale, a2.scale_u8 = p.w2.scale_u8;
   a2.sscale0 = a2.sscale1 = p.sw2.scale, a2.sscale_u8 = p.sw2.scale_u8;
+  a2.sc16 = mx && aligned(16, p.inter);
   a2.tasks = io.tasks, a2.ntasks = io.ntasks, a2.ntiles = ceil_div(p.d, 128), a2.stages = st2;
   a2.out = io.Y, a2.row_weight = io.wrow;
   const int g2 = static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles));

@@ -216,28 +216,29 @@ def test_moe_experts_v4_flash_shape(fmt, T, path):
     print(f"V4-Flash {fmt} T={T}: relative error vs exact reference {rel:.4f}")
 
 
-def test_moe_experts_deterministic_and_graph_capturable(path):
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_moe_experts_deterministic_and_graph_capturable(fmt, path):
     T, d, I, E, k = 48, 512, 256, 32, 6
     g = torch.Generator(device=DEV).manual_seed(3)
-    ex, sh = make_experts(E, I, d, "fp8", seed=3, shared=True)
+    ex, sh = make_experts(E, I, d, fmt, seed=3, shared=True)
     x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
     ids, w = routing(T, E, k, "random", g)
-    first = run_kernel(x, ids, w, ex, "fp8", 5.0, sh)
-    assert torch.equal(first, run_kernel(x, ids, w, ex, "fp8", 5.0, sh))
+    first = run_kernel(x, ids, w, ex, fmt, 5.0, sh)
+    assert torch.equal(first, run_kernel(x, ids, w, ex, fmt, 5.0, sh))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        run_kernel(x, ids, w, ex, "fp8", 5.0, sh)
+        run_kernel(x, ids, w, ex, fmt, 5.0, sh)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = run_kernel(x, ids, w, ex, "fp8", 5.0, sh)
+        y = run_kernel(x, ids, w, ex, fmt, 5.0, sh)
     x2 = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
     ids2, w2 = routing(T, E, k, "dropped", g)
     x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
     y.fill_(float("nan"))
     graph.replay()
-    torch.testing.assert_close(y, run_kernel(x2, ids2, w2, ex, "fp8", 5.0, sh), rtol=0, atol=0)
+    torch.testing.assert_close(y, run_kernel(x2, ids2, w2, ex, fmt, 5.0, sh), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
@@ -254,6 +255,24 @@ def test_moe_experts_stream_many_tasks(fmt, T, E, k, kind):
                             *(ex[n][1] for n in ("w1", "w3", "w2")), fmt, 6.0, sh)
     check(out, emulated(x, ids, w, ex, fmt, 6.0, sh), ref)
     assert torch.equal(out, run_kernel(x, ids, w, ex, fmt, 6.0, sh))
+
+
+@pytest.mark.parametrize("T,d,I,kind,shared", [(1, 384, 640, "random", True), (13, 640, 384, "one", False),
+                                                 (37, 384, 256, "few", True), (256, 1024, 512, "random", False)])
+def test_moe_experts_stream_mxfp4_shapes(T, d, I, kind, shared):
+    """mxfp4 decode kernels: K / 128 odd (the last stage holds one chunk), group scales copied 4
+    (K / 32 % 16 != 0) or 16 bytes at a time, skewed routings; against the emulation, bitwise equal
+    on a second call."""
+    E, k = 16, 4
+    g = torch.Generator(device=DEV).manual_seed(T + d)
+    ex, sh = make_experts(E, I, d, "mxfp4", seed=d + I, shared=shared, spread=11 if T == 13 else 0)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    ids, w = routing(T, E, k, kind, g)
+    out = run_kernel(x, ids, w, ex, "mxfp4", 6.0, sh)
+    ref = M.moe_experts_ref(x.float(), ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), "mxfp4", 6.0, sh)
+    check(out, emulated(x, ids, w, ex, "mxfp4", 6.0, sh), ref)
+    assert torch.equal(out, run_kernel(x, ids, w, ex, "mxfp4", 6.0, sh))
 
 
 # ----------------------------------------------------------------------------- prefill path
@@ -354,6 +373,13 @@ def test_moe_sanitize_small():
             ids, w = routing(T, 4, 2, "dropped", g)
             out = run_kernel(x, ids, w, ex, fmt, 6.0, sh)
             assert torch.isfinite(out).all()
+    M.STREAM_MAX_T = 256  # mxfp4 decode kernels with K / 128 odd and 16-byte scale copies
+    for T, d, I in ((3, 384, 512), (17, 512, 384)):
+        g = torch.Generator(device=DEV).manual_seed(T)
+        ex, sh = make_experts(4, I, d, "mxfp4", seed=T, shared=True)
+        x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+        ids, w = routing(T, 4, 2, "dropped", g)
+        assert torch.isfinite(run_kernel(x, ids, w, ex, "mxfp4", 6.0, sh)).all()
     M.STREAM_MAX_T, M.STREAM_MIN_T = keep[:2]
     M.PREFILL_MIN_T = 257  # the fp8 prefill kernels: one hot expert, dropped ids, fp32 x
     for T, kind, dt in ((300, "dropped", torch.bfloat16), (520, "one", torch.bfloat16), (290, "few", torch.float32)):
