@@ -2,7 +2,7 @@
 
 python -m microbench.bench_moe --out DIR [--quick] [--profile] [--models flash pro] [--T 1 8 ..]
                                 [--fmts fp8 mxfp4] [--no-baselines] [--graph] [--stream-max-t N]
-                                [--prefill-min-t N]
+                                [--prefill-min-t N] [--prefill-mxfp4-min-t N]
 
 Per (model, weight format, T tokens): time of route + experts (`us`, the router's fp32 logits
 GEMM included), the touched expert weights (routed experts the routing hits + the shared
@@ -10,11 +10,12 @@ expert) read per second and as a fraction of the copy ceiling measured in this r
 (`frac_copy`; `floor_us` = touched bytes / ceiling), TFLOP/s (6 I d per token-expert pair) and
 the fraction of the FP8 dense peak measured in this run (torch._scaled_mm 8192^3), at T <=
 ops.moe.STREAM_MAX_T the grouped kernels on the same inputs (`grouped_us`, `x_grouped` > 1: the
-streaming decode path faster; likewise for fp8 at T >= ops.moe.PREFILL_MIN_T > 0 the prefill
-kernels against the grouped kernels), with --graph the step replayed in a CUDA graph, and the
-speedups over the pipelines a user would write: torch._grouped_mm in bf16 and
-torch._scaled_grouped_mm in fp8 (rowwise scales), each with argsort dispatch, clamped SwiGLU,
-index_add combine and the shared expert (V4-Flash only: bf16 Pro weights are 50 GB).
+streaming decode path faster; likewise for fp8 at T >= ops.moe.PREFILL_MIN_T > 0 and mxfp4 at
+T >= ops.moe.PREFILL_MXFP4_MIN_T > 0 the prefill kernels against the grouped kernels), with
+--graph the step replayed in a CUDA graph, and the speedups over the pipelines a user would
+write: torch._grouped_mm in bf16 and torch._scaled_grouped_mm in fp8 (rowwise scales), each with
+argsort dispatch, clamped SwiGLU, index_add combine and the shared expert (V4-Flash only: bf16 Pro
+weights are 50 GB).
 Weights: random e4m3 / e2m1 codes with UE8M0 scales near 2^-7; routing: uniform top-6.
 """
 from __future__ import annotations
@@ -154,7 +155,8 @@ def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True, graph
                     t_grouped = H.time_fn(step, reps=reps)
                 finally:
                     M.STREAM_MAX_T = keep
-            if fmt == "fp8" and T > 256 and 0 < M.PREFILL_MIN_T <= T:  # prefill path vs grouped kernels
+            pmin = M.PREFILL_MIN_T if fmt == "fp8" else (M.PREFILL_MXFP4_MIN_T if M.PREFILL_MIN_T else 0)
+            if T > 256 and 0 < pmin <= T:  # prefill path vs grouped kernels (PREFILL_MIN_T = 0: both formats off)
                 keep, M.PREFILL_MIN_T = M.PREFILL_MIN_T, 0
                 try:
                     t_grouped = H.time_fn(step, reps=reps)
@@ -196,7 +198,9 @@ def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True, graph
                             torch.cuda.synchronize()
                     finally:
                         M.STREAM_MAX_T = keep
-                    print(f"## {name} {fmt} T={T} stream_max_t={smt} prefill_min_t={M.PREFILL_MIN_T}: per-kernel CUDA time over 5 calls (L2 flushed)")
+                    print(f"## {name} {fmt} T={T} stream_max_t={smt} prefill_min_t={M.PREFILL_MIN_T} "
+                          f"prefill_mxfp4_min_t={M.PREFILL_MXFP4_MIN_T}: per-kernel CUDA time over 5 calls "
+                          "(L2 flushed)")
                     print(pr.key_averages().table(sort_by="cuda_time_total", row_limit=14))
         del ex
         torch.cuda.empty_cache()
@@ -221,6 +225,8 @@ def main(argv=None):
                         help="ops.moe.STREAM_MAX_T for the run (the decode path's range; 0: grouped kernels)")
         ap.add_argument("--prefill-min-t", type=int, default=None,
                         help="ops.moe.PREFILL_MIN_T for the run (fp8 prefill kernels from this T; 0: grouped kernels)")
+        ap.add_argument("--prefill-mxfp4-min-t", type=int, default=None,
+                        help="ops.moe.PREFILL_MXFP4_MIN_T for the run (mxfp4 prefill kernels from this T; 0: grouped)")
 
     args, ctx = H.start(argv, extra=extra)
     if args.stream_max_t is not None:
@@ -229,6 +235,9 @@ def main(argv=None):
     if args.prefill_min_t is not None:
         M.PREFILL_MIN_T = args.prefill_min_t
     ctx.extra["prefill_min_t"] = M.PREFILL_MIN_T
+    if args.prefill_mxfp4_min_t is not None:
+        M.PREFILL_MXFP4_MIN_T = args.prefill_mxfp4_min_t
+    ctx.extra["prefill_mxfp4_min_t"] = M.PREFILL_MXFP4_MIN_T
     peak = fp8_peak_tflops()
     ctx.extra["fp8_peak_tflops"] = peak
     print(f"# FP8 dense peak (torch._scaled_mm 8192^3): {peak:.0f} TFLOP/s")

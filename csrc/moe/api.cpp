@@ -178,8 +178,8 @@ void register_moe(py::module_& m) {
         py::arg("shared_w3_scale") = py::none(), py::arg("shared_w2") = py::none(),
         py::arg("shared_w2_scale") = py::none(), py::arg("stream_max_t") = 0, py::arg("prefill_min_t") = 0,
         "routed fp8 / mxfp4 experts (+ an fp8 shared expert) of x [T, d] -> out [T, d]; T <= stream_max_t "
-        "(<= 256): the streaming decode kernels (0: the grouped kernels); fp8, T > 256 and T >= prefill_min_t "
-        "(> 0): the prefill kernels");
+        "(<= 256): the streaming decode kernels (0: the grouped kernels); T > 256 and T >= prefill_min_t (> 0): "
+        "the prefill kernels (fp8 and mxfp4)");
 }
 
 }  // namespace deepfuse

@@ -28,6 +28,7 @@
 // depends on its own inputs only (bitwise reproducible, independent of the plan's placement).
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -303,6 +304,320 @@ void launch(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
   check_launch("moe_prefill_kernel");
 }
 
+// ---------------------------------------------------------------------------------------------
+// MXFP4 experts (uint8 packed e2m1 [E, N, K / 2], UE8M0 scales [E, N, K / 32]); the shared expert
+// stays fp8. Tiles of 128 positions x 128 weight rows (GEMM1: 64 w1 rows + the w3 rows of the same
+// columns). Three roles: a producer warp (TMA: A box, row scales, packed weights; cp.async: the
+// rows' four group scales of the chunk), decode warps (packed e2m1 -> 128-byte-swizzled e4m3
+// B tile + one fp32 scale per weight row and chunk), two consumer warpgroups (as above, promoting
+// with row scale x column scale). Stage s holds chunk i (s = i % kMxStages) in both its load area
+// and its decoded area: the producer refills stage s only after the consumers (B, A) and the
+// decoders (packed bytes) are done with chunk i - kMxStages, so the decoders need no empty barrier.
+// Scale fold: a weight row's chunk has four group exponents s_g, s_max their largest; group g is
+// decoded as v * 2^(6 - (s_max - s_g)) (e2m1 v) and the chunk's products are promoted with
+// 2^(s_max - 133): w = v 2^(s_g - 127) exactly whenever s_max - s_g <= 14 (every e2m1 value times
+// 2^t for t in [-8, 6] is an e4m3 value). A larger spread rounds that group's values to e4m3's
+// subnormal grid (round to nearest even): |error| <= 2^-10 2^(s_max - 133) = 2^-16 2^(s_max - 127)
+// per weight. Shared-expert tiles (fp8): TMA writes the B tile straight into the decoded area; the
+// decoders only write the block scale per column.
+constexpr int kMxStages = 5;
+constexpr int kMxOffBd = kStageA;                // decoded B (16 KB, swizzled)
+constexpr int kMxOffBl = kStageA + 16384;        // packed B (8 KB)
+constexpr int kMxStage = kMxOffBl + 8192;        // 40 KB, a multiple of 1024
+constexpr int kMxOffAS = kMxStages * kMxStage;   // row scales [stage][kASStride]
+constexpr int kMxOffBS = kMxOffAS + kMxStages * kASStride * 4;  // group scale words [stage][128]
+constexpr int kMxOffCS = kMxOffBS + kMxStages * 128 * 4;        // column scales [stage][128]
+constexpr int kMxOffWS = kMxOffCS + kMxStages * 128 * 4;        // shared tiles' block scales [stage][2]
+constexpr int kMxOffBar = kMxOffWS + kMxStages * 2 * 4;
+constexpr int kMxSmem = kMxOffBar + 3 * kMxStages * 8 + 1024;
+static_assert(kMxSmem <= 227 * 1024, "shared memory");
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// The eight e4m3 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} x 2^(6 - dd) as a prmt table (bytes 0..7).
+__device__ __forceinline__ void e2m1_table(int dd, uint32_t& tl, uint32_t& th) {
+  if (dd <= 11) {  // all normal: the exponent field moves by -dd
+    tl = 0x6C686000u - static_cast<uint32_t>(dd) * 0x08080800u;
+    th = 0x7C787470u - static_cast<uint32_t>(dd) * 0x08080808u;
+  } else {  // subnormal / underflowing results: round to nearest even
+    const float f = __int_as_float((127 + 6 - min(dd, 40)) << 23);
+    const uint32_t a = __nv_cvt_float2_to_fp8x2(make_float2(0.0f, 0.5f * f), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t b = __nv_cvt_float2_to_fp8x2(make_float2(f, 1.5f * f), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t c = __nv_cvt_float2_to_fp8x2(make_float2(2.0f * f, 3.0f * f), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t e = __nv_cvt_float2_to_fp8x2(make_float2(4.0f * f, 6.0f * f), __NV_SATFINITE, __NV_E4M3);
+    tl = a | (b << 16);
+    th = c | (e << 16);
+  }
+}
+
+// Eight packed e2m1 (element 2i in the low nibble of byte i) -> eight e4m3 bytes in element order:
+// magnitudes from the table, sign from the nibble's bit 3 (prmt's sign mode on 0x7F: 0x00 when set).
+__device__ __forceinline__ uint2 e2m1x8_lut(uint32_t x, uint32_t tl, uint32_t th) {
+  const uint32_t m = x & 0x77777777u, xh = x >> 16;
+  const uint32_t p0 = prmt(tl, th, m), p1 = prmt(tl, th, m >> 16);
+  const uint32_t a0 = prmt(0x7F7F7F7Fu, 0x7F7F7F7Fu, x) + 0x01010101u;  // 0x80: positive, 0x01: negative
+  const uint32_t a1 = prmt(0x7F7F7F7Fu, 0x7F7F7F7Fu, xh) + 0x01010101u;
+  return make_uint2((~a0 & 0x80808080u) | p0, (~a1 & 0x80808080u) | p1);
+}
+
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// NDEC decode warps (warps 9 ..): 3 (384 threads, 168 registers each) or 7 (512 threads: the two
+// non-consumer warpgroups drop to 88 registers, the consumers rise to 168).
+template <bool SWIGLU, int NDEC>
+__global__ void __launch_bounds__(kConsumers + 32 + 32 * NDEC, 1)
+    moe_prefill_mx_kernel(const Args a, const __grid_constant__ Maps maps) {
+#if DEEPFUSE_SM90A_DEVICE
+  constexpr int S = kMxStages, kMxDec = 32 * NDEC;
+  static_assert(NDEC == 3 || NDEC == 7, "decode warps");
+  extern __shared__ char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* sAS = reinterpret_cast<float*>(base + kMxOffAS);
+  uint32_t* sBS = reinterpret_cast<uint32_t*>(base + kMxOffBS);
+  float* sCS = reinterpret_cast<float*>(base + kMxOffCS);
+  float* sWS = reinterpret_cast<float*>(base + kMxOffWS);
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + kMxOffBar);
+  uint64_t* empty = full + S;
+  uint64_t* dfull = empty + S;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int total = *a.ntasks * a.ntiles;
+  if (static_cast<int>(blockIdx.x) >= total) return;  // the whole CTA
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      tma::mbar_init(tma::smem_u32(full + s), 1 + 32);  // expect_tx + the producer lanes' cp.async arrivals
+      tma::mbar_init(tma::smem_u32(empty + s), 8 + NDEC);  // consumer warps + decode warps
+      tma::mbar_init(tma::smem_u32(dfull + s), NDEC);  // one arrival per decode warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int KB = a.KB, KS = KB * 4;  // KS: group scales per weight row
+
+  if (tid >= kConsumers) {  // the producer warp and the decode warps
+    if constexpr (NDEC == 7) asm volatile("setmaxnreg.dec.sync.aligned.u32 88;\n" ::: "memory");
+    if (tid >= kConsumers + 32) {  // decode warps
+      const int q0 = tid - (kConsumers + 32);
+      int i = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const bool sh = a.tasks[(tile / a.ntiles) * 3] == a.E;
+        for (int u = 0; u < KB; ++u, ++i) {
+          const int st = i % S;
+          tma::mbar_wait(tma::smem_u32(full + st), (i / S) & 1);
+          float* cs = sCS + st * 128;
+          if (sh) {  // fp8 block scale per column (GEMM1: w1 columns 0..63, w3 64..127)
+            const float w0 = sWS[st * 2], w1 = sWS[st * 2 + 1];
+            for (int n = q0; n < 128; n += kMxDec) cs[n] = SWIGLU && n >= 64 ? w1 : w0;
+          } else {
+            const char* bl = base + st * kMxStage + kMxOffBl;
+            char* bd = base + st * kMxStage + kMxOffBd;
+            // units q = (weight row, 32-group) of 16 packed bytes: q0 + j kMxDec (the group q0 & 3 is the
+            // thread's own); all loads first, then the decodes
+            constexpr int kU = (512 + kMxDec - 1) / kMxDec;
+            const int g = q0 & 3;
+            uint32_t wv[kU];
+            uint4 pv[kU];
+#pragma unroll
+            for (int j = 0; j < kU; ++j) {
+              const int q = q0 + j * kMxDec;
+              if (q < 512) {
+                wv[j] = sBS[st * 128 + (q >> 2)];
+                pv[j] = *reinterpret_cast<const uint4*>(bl + q * 16);
+              }
+            }
+#pragma unroll
+            for (int j = 0; j < kU; ++j) {
+              const int q = q0 + j * kMxDec, row = q >> 2;
+              if (q < 512) {
+                const uint32_t w = wv[j];
+                const int smax =
+                    static_cast<int>(max(max(w & 0xFFu, (w >> 8) & 0xFFu), max((w >> 16) & 0xFFu, w >> 24)));
+                uint32_t tl, th;
+                e2m1_table(smax - static_cast<int>((w >> (8 * g)) & 0xFFu), tl, th);
+                const uint2 o0 = e2m1x8_lut(pv[j].x, tl, th), o1 = e2m1x8_lut(pv[j].y, tl, th);
+                const uint2 o2 = e2m1x8_lut(pv[j].z, tl, th), o3 = e2m1x8_lut(pv[j].w, tl, th);
+                char* r = bd + row * 128;
+                *reinterpret_cast<uint4*>(r + (((2 * g) ^ (row & 7)) << 4)) = make_uint4(o0.x, o0.y, o1.x, o1.y);
+                *reinterpret_cast<uint4*>(r + (((2 * g + 1) ^ (row & 7)) << 4)) = make_uint4(o2.x, o2.y, o3.x, o3.y);
+                if (g == 0)  // 2^(s_max - 133)
+                  cs[row] = smax >= 7 ? __int_as_float((smax - 6) << 23) : ldexpf(1.0f, smax - 133);
+              }
+            }
+          }
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // B (generic stores) -> wgmma
+          __syncwarp();
+          if (lane == 0) {
+            tma::mbar_arrive(tma::smem_u32(dfull + st));
+            tma::mbar_arrive(tma::smem_u32(empty + st));
+          }
+        }
+      }
+      return;
+    }
+
+    {  // producer warp
+      int i = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const int task = tile / a.ntiles, t = tile % a.ntiles;
+        const int e = a.tasks[task * 3], r0 = a.tasks[task * 3 + 1];
+        const bool sh = e == a.E;
+        // shared tiles: the fp8 block scales over K, lane l holding chunks l, l + 32, ...
+        float r0s[kMaxKB / 32], r1s[kMaxKB / 32];
+        if (sh) {
+          const int nb = SWIGLU ? (t * 64) / 128 : t;
+          const bool u8 = a.sscale_u8;
+  #pragma unroll
+          for (int j = 0; j < kMaxKB / 32; ++j) {
+            const int kb = lane + 32 * j;
+            r0s[j] = r1s[j] = 0.0f;
+            if (kb < KB) {
+              const int64_t o = static_cast<int64_t>(nb) * KB + kb;
+              r0s[j] = u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(a.sscale0)[o])
+                          : static_cast<const float*>(a.sscale0)[o];
+              r1s[j] = u8 ? gemm::ue8m0_value(static_cast<const uint8_t*>(a.sscale1)[o])
+                          : static_cast<const float*>(a.sscale1)[o];
+            }
+          }
+        }
+        // routed tiles: the group scale rows of this tile's weight rows (lane: rows lane + 32 j)
+        const uint8_t* srow[4];
+  #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = lane + 32 * j;
+          const uint8_t* sp = static_cast<const uint8_t*>(SWIGLU && r >= 64 ? a.scale1 : a.scale0);
+          const int64_t wr = SWIGLU ? static_cast<int64_t>(e) * a.N + t * 64 + (r & 63)
+                                    : static_cast<int64_t>(e) * a.N + t * 128 + r;
+          srow[j] = sp + wr * KS;
+        }
+        const int rb = sh ? 0 : e * a.N;
+        const int rot = a.rotate ? (t * 5 + e * 11) % KB : 0;
+        for (int u = 0; u < KB; ++u, ++i) {
+          const int kb = u + rot < KB ? u + rot : u + rot - KB;
+          float w0 = 0.0f, w1 = 0.0f;
+          if (sh) {
+            w0 = __shfl_sync(0xffffffffu, sel4(r0s, kb >> 5), kb & 31);
+            w1 = __shfl_sync(0xffffffffu, sel4(r1s, kb >> 5), kb & 31);
+          }
+          const int st = i % S;
+          if (lane == 0 && i >= S) tma::mbar_wait(tma::smem_u32(empty + st), ((i / S) - 1) & 1);
+          __syncwarp();
+          const uint32_t bar = tma::smem_u32(full + st);
+          if (!sh) {
+  #pragma unroll
+            for (int j = 0; j < 4; ++j) cp_async4(tma::smem_u32(sBS + st * 128 + lane + 32 * j), srow[j] + kb * 4);
+          }
+          cp_async_arrive(bar);
+          if (lane == 0) {
+            const uint32_t dA = tma::smem_u32(base + st * kMxStage);
+            const uint32_t dBd = dA + kMxOffBd, dBl = dA + kMxOffBl;
+            if (sh) sWS[st * 2] = w0, sWS[st * 2 + 1] = w1;  // before the arrival below
+            tma::mbar_expect_tx(bar, kStageA + (sh ? 16384 : 8192) + kASBox * 4);
+            tma::tma_load_2d(dA, &maps.a, kb * 128, r0, bar);
+            tma::tma_load_2d(tma::smem_u32(sAS + st * kASStride), &maps.as, r0 & ~3, kb, bar);
+            if (sh) {
+              if (SWIGLU) {
+                tma::tma_load_2d(dBd, &maps.s0, kb * 128, t * 64, bar);
+                tma::tma_load_2d(dBd + 8192, &maps.s1, kb * 128, t * 64, bar);
+              } else {
+                tma::tma_load_2d(dBd, &maps.s0, kb * 128, t * 128, bar);
+              }
+            } else if (SWIGLU) {  // packed rows: 64 bytes per 128-K chunk
+              tma::tma_load_2d(dBl, &maps.w0, kb * 64, rb + t * 64, bar);
+              tma::tma_load_2d(dBl + 4096, &maps.w1, kb * 64, rb + t * 64, bar);
+            } else {
+              tma::tma_load_2d(dBl, &maps.w0, kb * 64, rb + t * 128, bar);
+            }
+          }
+          __syncwarp();
+        }
+      }
+      return;
+    }
+  }
+
+  // consumers: warpgroup wg owns rows [64 wg, 64 wg + 64) of every tile
+  if constexpr (NDEC == 7) asm volatile("setmaxnreg.inc.sync.aligned.u32 168;\n" ::: "memory");
+  const int wg = tid >> 7, wq = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
+  const int m0r = wg * 64 + wq * 16 + g;
+  int i = 0;
+  float acc[64];
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    const int task = tile / a.ntiles, t = tile % a.ntiles;
+    const int r0 = a.tasks[task * 3 + 1], r1 = a.tasks[task * 3 + 2];
+#pragma unroll
+    for (int c = 0; c < 64; ++c) acc[c] = 0.0f;
+    for (int u = 0; u < KB; ++u, ++i) {
+      const int st = i % S;
+      tma::mbar_wait(tma::smem_u32(full + st), (i / S) & 1);
+      tma::mbar_wait(tma::smem_u32(dfull + st), (i / S) & 1);
+      const uint32_t aa = tma::smem_u32(base + st * kMxStage) + wg * 64 * 128;
+      const uint32_t ba = tma::smem_u32(base + st * kMxStage + kMxOffBd);
+      const float* as = sAS + st * kASStride + (r0 & 3) + m0r;
+      const float sa0 = as[0], sa1 = as[8];
+      float part[64];
+      gemm::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        gemm::wgmma_m64n128k32(part, gemm::smem_desc(aa + k * 32), gemm::smem_desc(ba + k * 32), k);
+      gemm::wgmma_commit();
+      gemm::wgmma_wait0();
+      gemm::fence_regs(part);
+      const float* cs = sCS + st * 128 + 2 * t4;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float2 w = *reinterpret_cast<const float2*>(cs + 8 * j);
+        float* d = acc + 4 * j;
+        d[0] += part[4 * j + 0] * (sa0 * w.x);
+        d[1] += part[4 * j + 1] * (sa0 * w.y);
+        d[2] += part[4 * j + 2] * (sa1 * w.x);
+        d[3] += part[4 * j + 3] * (sa1 * w.y);
+      }
+      __syncwarp();
+      if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int p = r0 + m0r + 8 * hr;
+      if (p >= r1) continue;
+      if (SWIGLU) {  // gate column c in acc[4 j ..], its up column in acc[32 + 4 j ..]
+        __nv_bfloat16* h = static_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(p) * a.N + t * 64 + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float v0 = gemm::swiglu_f(acc[4 * j + 2 * hr], acc[32 + 4 * j + 2 * hr], a.limit);
+          const float v1 = gemm::swiglu_f(acc[4 * j + 2 * hr + 1], acc[32 + 4 * j + 2 * hr + 1], a.limit);
+          *reinterpret_cast<__nv_bfloat162*>(h + 8 * j) = __floats2bfloat162_rn(v0, v1);
+        }
+      } else {
+        const float w = a.row_weight[p];
+        float* y = static_cast<float*>(a.out) + static_cast<int64_t>(p) * a.N + t * 128 + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<float2*>(y + 8 * j) = make_float2(acc[4 * j + 2 * hr] * w, acc[4 * j + 2 * hr + 1] * w);
+      }
+    }
+  }
+#else
+  __trap();  // wgmma / TMA: sm_90a only (launchers call require_sm90a)
+#endif
+}
+
+template <bool SWIGLU, int NDEC>
+void launch_mx(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
+  auto kern = moe_prefill_mx_kernel<SWIGLU, NDEC>;
+  static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMxSmem);
+  check_cuda(attr, "cudaFuncSetAttribute(moe_prefill_mx_kernel)");
+  kern<<<grid, kConsumers + 32 + 32 * NDEC, kMxSmem, stream>>>(a, maps);
+  check_launch("moe_prefill_mx_kernel");
+}
+
 bool encode_f32_2d(CUtensorMap& map, const void* base, int64_t rows, int64_t cols, int64_t pitch, int box_cols) {
   const auto encode = tma::encode_tiled();
   if (encode == nullptr) return false;
@@ -333,15 +648,89 @@ bool encode_maps(const MoeProblem& p, const uint8_t* A, const float* AsT, int64_
   return true;
 }
 
+// MXFP4 maps: routed weights packed (64 bytes per 128-K chunk, no swizzle), the shared expert fp8.
+bool encode_maps_mx(const MoeProblem& p, const uint8_t* A, const float* AsT, int64_t P, int K, const ExpertWeight& w0,
+                    const ExpertWeight& w1, const ExpertWeight& s0, const ExpertWeight& s1, int Nw, int box_rows,
+                    Maps& m) {
+  const int64_t Pp = moe_prefill_pitch(P);
+  if (!tma::encode_u8_2d(m.a, A, P, K, 128, kBM, true)) return false;
+  if (!encode_f32_2d(m.as, AsT, K / 128, P, Pp, kASBox)) return false;
+  if (!tma::encode_u8_2d(m.w0, w0.w, static_cast<int64_t>(p.E) * Nw, K / 2, 64, box_rows, false)) return false;
+  if (!tma::encode_u8_2d(m.w1, w1.w, static_cast<int64_t>(p.E) * Nw, K / 2, 64, box_rows, false)) return false;
+  if (p.has_shared) {
+    if (!tma::encode_u8_2d(m.s0, s0.w, Nw, K, 128, box_rows, true)) return false;
+    if (!tma::encode_u8_2d(m.s1, s1.w, Nw, K, 128, box_rows, true)) return false;
+  } else {
+    m.s0 = m.w0, m.s1 = m.w1;  // unused (no task has expert E)
+  }
+  return true;
+}
+
 }  // namespace
 
 bool moe_prefill_supported(const MoeProblem& p) {
-  return p.fmt == WeightFmt::kFp8 && p.d % 128 == 0 && p.inter % 128 == 0 && p.d >= 128 && p.inter >= 128 &&
-         p.d / 128 <= kMaxKB && p.inter / 128 <= kMaxKB;
+  return (p.fmt == WeightFmt::kFp8 || p.fmt == WeightFmt::kMxfp4) && p.d % 128 == 0 && p.inter % 128 == 0 &&
+         p.d >= 128 && p.inter >= 128 && p.d / 128 <= kMaxKB && p.inter / 128 <= kMaxKB;
 }
+
+namespace {
+
+void gather_cast(const MoePrefillIO& io, const void* src, bool bf16, const int* rows, int K, uint8_t* q, float* sT,
+                 cudaStream_t stream, const char* what) {
+  const int64_t Pp = moe_prefill_pitch(io.P);
+  const unsigned grid = static_cast<unsigned>(io.P);
+  if (bf16)
+    gather_cast_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(src), rows,
+                                                                io.tasks, io.ntasks, K, Pp, q, sT);
+  else
+    gather_cast_kernel<float><<<grid, 256, 0, stream>>>(static_cast<const float*>(src), rows, io.tasks, io.ntasks,
+                                                        K, Pp, q, sT);
+  check_launch(what);
+}
+
+bool moe_prefill_gemms_mx(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t stream) {
+  Maps m1{}, m2{};
+  if (!encode_maps_mx(p, io.xp, io.xsT, io.P, p.d, p.w1, p.w3, p.sw1, p.sw3, p.inter, 64, m1) ||
+      !encode_maps_mx(p, io.hq, io.hsT, io.P, p.inter, p.w2, p.w2, p.sw2, p.sw2, p.d, 128, m2))
+    return false;
+  const int sms = num_sms();
+  const int rotate = std::getenv("DEEPFUSE_MOE_PREFILL_NO_ROT") == nullptr;
+  // 7 decode warps (512 threads); DEEPFUSE_MOE_PREFILL_MX_DEC=3: 3 (384 threads), for comparisons (read per call)
+  const char* dec_env = std::getenv("DEEPFUSE_MOE_PREFILL_MX_DEC");
+  const bool dec7 = !(dec_env != nullptr && std::atoi(dec_env) == 3);
+  gather_cast(io, io.x, io.x_bf16, io.rows, p.d, io.xp, io.xsT, stream, "gather_cast_kernel (moe x)");
+
+  Args a1{};
+  a1.K = p.d, a1.N = p.inter, a1.E = p.E, a1.KB = p.d / 128;
+  a1.scale0 = p.w1.scale, a1.scale1 = p.w3.scale, a1.scale_u8 = true;
+  a1.sscale0 = p.sw1.scale, a1.sscale1 = p.sw3.scale, a1.sscale_u8 = p.sw1.scale_u8;
+  a1.NBw = p.inter / 128;
+  a1.tasks = io.tasks, a1.ntasks = io.ntasks, a1.ntiles = p.inter / 64;
+  a1.out = io.h, a1.limit = p.limit, a1.rotate = rotate;
+  const int g1 = static_cast<int>(std::min<int64_t>(sms, io.U * a1.ntiles));
+  if (dec7) launch_mx<true, 7>(a1, m1, g1, stream);
+  else launch_mx<true, 3>(a1, m1, g1, stream);
+
+  gather_cast(io, io.h, true, nullptr, p.inter, io.hq, io.hsT, stream, "gather_cast_kernel (moe h)");
+
+  Args a2{};
+  a2.K = p.inter, a2.N = p.d, a2.E = p.E, a2.KB = p.inter / 128;
+  a2.scale0 = a2.scale1 = p.w2.scale, a2.scale_u8 = true;
+  a2.sscale0 = a2.sscale1 = p.sw2.scale, a2.sscale_u8 = p.sw2.scale_u8;
+  a2.NBw = p.d / 128;
+  a2.tasks = io.tasks, a2.ntasks = io.ntasks, a2.ntiles = p.d / 128;
+  a2.out = io.Y, a2.row_weight = io.wrow, a2.rotate = rotate;
+  const int g2 = static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles));
+  if (dec7) launch_mx<false, 7>(a2, m2, g2, stream);
+  else launch_mx<false, 3>(a2, m2, g2, stream);
+  return true;
+}
+
+}  // namespace
 
 bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t stream) {
   if (!moe_prefill_supported(p)) return false;
+  if (p.fmt == WeightFmt::kMxfp4) return moe_prefill_gemms_mx(p, io, stream);
   // 128 x 256 tiles (H200: 1.05-1.2x the 128 x 128 ones at T 512-16384); DEEPFUSE_MOE_PREFILL_BN=128:
   // 128 x 128, for comparisons (read per call)
   const char* bn_env = std::getenv("DEEPFUSE_MOE_PREFILL_BN");

@@ -30,10 +30,11 @@ struct MoePrefillIO {
 
 inline int64_t moe_prefill_pitch(int64_t P) { return (P + 3) / 4 * 4; }
 
-// Whether the prefill kernels serve this problem (fp8 weights, d and inter multiples of 128).
+// Whether the prefill kernels serve this problem (fp8 or mxfp4 weights, d and inter multiples of 128).
 bool moe_prefill_supported(const MoeProblem& p);
 
-// gather-cast x -> GEMM1 (w1 | w3, SwiGLU -> h bf16) -> cast h -> GEMM2 (w2 x routing weight -> Y).
+// gather-cast x -> GEMM1 (w1 | w3, SwiGLU -> h bf16) -> cast h -> GEMM2 (w2 x routing weight -> Y);
+// mxfp4 experts: the e2m1 weights decoded to e4m3 in shared memory by decode warps (moe_prefill.cu).
 // false: not served (nothing launched).
 bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t stream);
 

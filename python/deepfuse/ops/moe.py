@@ -23,8 +23,9 @@ activation cast (per token per 128, fp32 scales), GEMM1 (w1 | w3 with the clampe
 epilogue), the cast of h, GEMM2 (times the routing weight) and a combine that sums each token's
 slots in order (deterministic). At decode (T <= STREAM_MAX_T = 256) both GEMMs
 run as persistent warp-specialised TMA weight-streaming kernels (csrc/moe/moe_stream.cu) with the
-two casts fused into them (same roundings); fp8 from T = PREFILL_MIN_T (257) on, as persistent
-warp-specialised TMA GEMMs with the tokens on wgmma's M side (csrc/moe/moe_prefill.cu). FP8 e4m3 MMAs with fp32 accumulation; MXFP4 weights are decoded
+two casts fused into them (same roundings); fp8 from T = PREFILL_MIN_T (257) on (mxfp4 from
+PREFILL_MXFP4_MIN_T), as persistent warp-specialised TMA GEMMs with the tokens on wgmma's M side
+(csrc/moe/moe_prefill.cu). FP8 e4m3 MMAs with fp32 accumulation; MXFP4 weights are decoded
 to e4m3 in shared memory. Activations are quantised there (the reference does not): the error
 bound in tests/ops/test_moe_gpu.py states what that costs. No host sync; graph-capturable. No
 repacking: the kernels read the checkpoint layouts as stored. Other inputs on CUDA (dense
@@ -58,6 +59,10 @@ STREAM_MIN_T = {"fp8": 2, "mxfp4": 1}
 # tokens on wgmma's M side, TMA producer warp + two consumer warpgroups, persistent tiles). H200: 2.3-2.6x
 # the grouped kernels at T 512 / 4096 / 16384 (docs/notes/moe.md, "The prefill path").
 PREFILL_MIN_T = 257
+# mxfp4 moe_experts on CUDA from this T on (> 256; 0: never) runs the same prefill structure with the e2m1
+# weights decoded to e4m3 in shared memory by decode warps (csrc/moe/moe_prefill.cu); PREFILL_MIN_T = 0
+# turns both formats off. Off until validated on the GPU (docs/notes/moe.md, "MXFP4 experts on the prefill path").
+PREFILL_MXFP4_MIN_T = 0
 
 
 def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -249,7 +254,7 @@ def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3, sh_w2, 
                       w1_scale=s1.contiguous(), w3=w3.contiguous(), w3_scale=s3.contiguous(), w2=w2.contiguous(),
                       w2_scale=s2.contiguous(), out=out, workspace=work, limit=float(limit),
                       stream_max_t=int(STREAM_MAX_T) if T >= STREAM_MIN_T.get(fmt, 1) else 0,
-                      prefill_min_t=int(PREFILL_MIN_T),
+                      prefill_min_t=int(PREFILL_MIN_T if fmt == "fp8" else PREFILL_MXFP4_MIN_T if PREFILL_MIN_T else 0),
                       **{n: t.contiguous() for n, t in sh.items()})
     if shared is not None and not fused:
         out = (out.float() + shared_expert_ref(x, shared, limit)).to(x.dtype)
