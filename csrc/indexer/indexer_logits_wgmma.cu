@@ -9,8 +9,9 @@
 // (exact for |x| >= 2^-6); the B rows of a token are its H hi heads, then its H lo heads
 // (N = H * terms). Accumulator column h of row e is code_e . hi_h; a thread holds whole rows'
 // quads of columns, so the head sum (ReLU, w_h * s_h) runs in registers and over the 4 lanes of
-// a quad: no cross-warp reduction. Each token's wgmmas and sums run in the same order whatever G,
-// so grouping changes no bit.
+// a quad: no cross-warp reduction. Consecutive tokens of a group may share one wgmma chain (N up
+// to 256 columns: chain_cols); each token's products and sums are the same operations in the same
+// order whatever G and the chain, so neither changes a bit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -31,11 +32,7 @@ constexpr int kTile = 64;    // entries per tile (wgmma M)
 constexpr int kRow = 128;    // bytes per key row (K)
 constexpr int kTileBytes = kTile * kRow;
 constexpr int kStages = 4;   // key tiles per CTA: 3 in flight while one is computed
-constexpr int kStagesPipe = 5;  // the pipelined loop: 3 in flight, one computed, one still read
-constexpr int kPipeDefault = 0;  // pipe_mode() without DEEPFUSE_INDEXER_PIPE
-// Prefill groups (PIPE): tokens per CTA whose B tiles (H * TERMS rows of 128 bytes each) fill at
-// most 512 rows (64 KB: two CTAs per SM with the key stages), at most 8.
-constexpr int prefill_rows(int H, int terms) { return 512 / (H * terms) < 8 ? 512 / (H * terms) : 8; }
+constexpr int kChainDecode = 256, kChainPrefill = 256;  // chain_cols() without its environment variables
 
 struct WArgs {
   const __nv_bfloat16* q;
@@ -67,12 +64,13 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ float2 lds_f2(uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
-  return v;
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
 }
 template <int R>
 __device__ __forceinline__ void fence_regs(float (&d)[R]) {
@@ -87,7 +85,8 @@ template <int N>
 __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
   if constexpr (N == 32) gemm::wgmma_m64n32k32(d, da, db, scale_d);
   else if constexpr (N == 64) gemm::wgmma_m64n64k32(d, da, db, scale_d);
-  else gemm::wgmma_m64n128k32(d, da, db, scale_d);
+  else if constexpr (N == 128) gemm::wgmma_m64n128k32(d, da, db, scale_d);
+  else wgmma_m64n256k32(d, da, db, scale_d);
 }
 
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile (1024-byte aligned).
@@ -106,15 +105,15 @@ struct Layout {
   static constexpr int kAlloc = kBytes + 1024;
 };
 
-// Tokens n0 .. n0 + R - 1 (all of request `req`) against entries [e_begin, e_end).
-// PIPE: tile copies run L = S - 2 tiles ahead (the stage of tile it - 1 is still read by its last
-// wgmmas while tile it starts) and the wgmmas of job j + 1 run while job j's epilogue does (two
-// accumulators); else L = S - 1 and each token's wgmmas are waited for before its epilogue.
-template <int H, int TERMS, int G, int R, int S, bool PIPE>
+// Tokens n0 .. n0 + R - 1 (all of request `req`) against entries [e_begin, e_end). Per tile, the
+// tokens run in jobs of TPJ consecutive tokens: one wgmma chain over their B tiles (contiguous:
+// N = TPJ * H * TERMS columns), then the head sums of each token from the one accumulator.
+template <int H, int TERMS, int G, int R, int S, int TPJ>
 __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n0, int64_t req, int e_begin,
                                           int e_end) {
   using L = Layout<H, TERMS, G, S>;
-  constexpr int N = H * TERMS;
+  static_assert(R % TPJ == 0, "jobs of whole tokens");
+  constexpr int NT = H * TERMS, N = TPJ * NT, J = R / TPJ;  // columns per token, per job; jobs
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   int live[R];
   int live_end = e_begin;
@@ -132,7 +131,6 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   const uint32_t ks_u32 = smem_u32(sm + L::kScale);
   const float* ksc = reinterpret_cast<const float*>(sm + L::kScale);
   float* wq = reinterpret_cast<float*>(sm + L::kW);
-  const uint32_t wq_u32 = smem_u32(wq);
 
   // Gather: thread tid copies chunk (tid & 7) of rows (tid >> 3) + 16 k, k < 4, and the scale of
   // those rows (chunk-0 threads). Slot indices come one tile ahead, in registers.
@@ -166,17 +164,16 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     }
   };
 
-  constexpr int kAhead = PIPE ? S - 2 : S - 1;  // tiles in flight ahead of the one computed
   const int ntiles = (live_end - e_begin + kTile - 1) / kTile;
   int64_t nxt[4];
   {
-    int64_t s[kAhead][4];
+    int64_t s[S - 1][4];
 #pragma unroll
-    for (int st = 0; st < kAhead; ++st)
+    for (int st = 0; st < S - 1; ++st)
       if (st < ntiles) fetch_slots(s[st], e_begin + st * kTile);
-    if (kAhead < ntiles) fetch_slots(nxt, e_begin + kAhead * kTile);
+    if (S - 1 < ntiles) fetch_slots(nxt, e_begin + (S - 1) * kTile);
 #pragma unroll
-    for (int st = 0; st < kAhead; ++st) {
+    for (int st = 0; st < S - 1; ++st) {
       if (st < ntiles) load_tile(st, s[st]);
       cp_commit();
     }
@@ -230,29 +227,50 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   fence_proxy_async();  // the B tiles (generic stores) before the wgmmas (async proxy); barrier below
 
   const int r0 = 16 * warp + g, r1 = r0 + 8;
-  if constexpr (PIPE) {
-    // A job: TPJ consecutive tokens in one wgmma chain (their B tiles are contiguous), N = NJ.
-    constexpr int TPJ = (R % 4 == 0 && 4 * H * TERMS <= 128) ? 4 : (R % 2 == 0 && 2 * H * TERMS <= 128) ? 2 : 1;
-    constexpr int J = R / TPJ, NJ = TPJ * H * TERMS;
-    float acc0[NJ / 2], acc1[NJ / 2];
-    // Head sum of job k's tokens from accumulator acc (rows r0, r1 of the tile at e0, key scales
-    // s0, s1): the same operations in the same order as the per-token path.
-    auto epilogue = [&](float (&acc)[NJ / 2], int k, int e0, float s0, float s1) {
+  for (int it = 0; it < ntiles; ++it) {
+    const int st = it % S, e0 = e_begin + it * kTile;
+    cp_wait<S - 2>();
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t ka = keys_u32 + st * kTileBytes;
+    float acc[N / 2];
+    wgmma_fence();
 #pragma unroll
-      for (int u = 0; u < TPJ; ++u) {
-        const int r = k * TPJ + u;
-        const uint32_t w = wq_u32 + (r * H + 2 * t) * 4;
+    for (int k = 0; k < 4; ++k) wgmma_n<N>(acc, smem_desc(ka + 32 * k), smem_desc(q_u32 + 32 * k), k);
+    wgmma_commit();
+    static_assert(L::kQBytes == NT * kRow, "a job's B tiles are contiguous");
+    // refill the stage freed by tile it - 1 while the wgmmas run
+    if (it + S - 1 < ntiles) {
+      load_tile((it + S - 1) % S, nxt);
+      if (it + S < ntiles) fetch_slots(nxt, e0 + S * kTile);
+    }
+    cp_commit();
+    const float s0 = a.scale * ksc[st * kTile + r0], s1 = a.scale * ksc[st * kTile + r1];
+#pragma unroll
+    for (int k = 0; k < J; ++k) {
+      if (k > 0) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_n<N>(acc, smem_desc(ka + 32 * kk), smem_desc(q_u32 + k * TPJ * L::kQBytes + 32 * kk), kk);
+        wgmma_commit();
+      }
+      wgmma_wait0();
+      fence_regs(acc);
+#pragma unroll
+      for (int u = 0; u < TPJ; ++u) {  // token r = k TPJ + u: accumulator columns u NT ..
+        const int r = k * TPJ + u, c0 = u * NT / 2;
+        const float* w = wq + r * H;
         float p0 = 0.0f, p1 = 0.0f;
 #pragma unroll
         for (int j = 0; j < H / 8; ++j) {
-          const float2 w2 = lds_f2(w + 32 * j);  // (volatile: not hoisted out of the tile loop)
-          constexpr int ub = TERMS * H / 8;  // accumulator column blocks of 8 per token
+          const float2 w2 = *reinterpret_cast<const float2*>(w + 8 * j + 2 * t);
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
-            float d0 = acc[4 * (u * ub + j) + b], d1 = acc[4 * (u * ub + j) + 2 + b];
+            float d0 = acc[c0 + 4 * j + b], d1 = acc[c0 + 4 * j + 2 + b];
             if constexpr (TERMS == 2) {
-              d0 = fmaf(acc[4 * (u * ub + j + H / 8) + b], 0.0625f, d0);
-              d1 = fmaf(acc[4 * (u * ub + j + H / 8) + 2 + b], 0.0625f, d1);
+              d0 = fmaf(acc[c0 + 4 * (j + H / 8) + b], 0.0625f, d0);
+              d1 = fmaf(acc[c0 + 4 * (j + H / 8) + 2 + b], 0.0625f, d1);
             }
             const float wb = b ? w2.y : w2.x;
             p0 = fmaf(wb, fmaxf(d0, 0.0f), p0);
@@ -267,129 +285,11 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
         if (t == 0 && e0 + r0 < live[r]) orow[r0] = s0 * p0;
         if (t == 1 && e0 + r1 < live[r]) orow[r1] = s1 * p1;
       }
-    };
-    int pe0 = 0;        // the previous tile's first entry and key scales (its last job's epilogue)
-    float ps0 = 0.0f, ps1 = 0.0f;
-    // Tile it; P: the accumulator of its job 0 (jobs alternate accumulators across tiles); FIRST: it == 0.
-    auto tile = [&]<int P, bool FIRST>(int it) {
-      const int st = it % S, e0 = e_begin + it * kTile;
-      cp_wait<kAhead - 1>();
-      fence_proxy_async();
-      __syncthreads();  // tile it landed for all; every warp is past tile it - 1's job-0 wait
-      const uint32_t ka = keys_u32 + st * kTileBytes;
-      uint32_t qb = q_u32;
-      asm volatile("" : "+r"(qb));  // the B descriptors are made per tile, not held across the loop
-      const float s0 = a.scale * ksc[st * kTile + r0], s1 = a.scale * ksc[st * kTile + r1];
-#pragma unroll
-      for (int k = 0; k < J; ++k) {
-        float(&acc)[NJ / 2] = ((P + k) & 1) ? acc1 : acc0;
-        float(&prev)[NJ / 2] = ((P + k) & 1) ? acc0 : acc1;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_n<NJ>(acc, smem_desc(ka + 32 * kk), smem_desc(qb + k * TPJ * L::kQBytes + 32 * kk), kk);
-        wgmma_commit();
-        if (k == 0) {
-          // refill the stage of tile it - 2 (its wgmmas completed before every warp's barrier)
-          if (it + kAhead < ntiles) {
-            load_tile((it + kAhead) % S, nxt);
-            if (it + kAhead + 1 < ntiles) fetch_slots(nxt, e0 + (kAhead + 1) * kTile);
-          }
-          cp_commit();
-          if constexpr (!FIRST) {
-            wgmma_wait<1>();
-            fence_regs(prev);
-            epilogue(prev, J - 1, pe0, ps0, ps1);
-          }
-        } else {
-          wgmma_wait<1>();
-          fence_regs(prev);
-          epilogue(prev, k - 1, e0, s0, s1);
-        }
-      }
-      pe0 = e0;
-      ps0 = s0;
-      ps1 = s1;
-    };
-    // the last job's epilogue; B: its accumulator
-    auto finish = [&]<int B>() {
-      wgmma_wait<0>();
-      float(&acc)[NJ / 2] = B ? acc1 : acc0;
-      fence_regs(acc);
-      epilogue(acc, J - 1, pe0, ps0, ps1);
-    };
-    tile.template operator()<0, true>(0);  // (tile 0 has no job before it)
-    int it = 1;
-    for (; it + 1 < ntiles; it += 2) {
-      tile.template operator()<J & 1, false>(it);
-      tile.template operator()<0, false>(it + 1);
-    }
-    if (it < ntiles) {
-      tile.template operator()<J & 1, false>(it);
-      finish.template operator()<((J & 1) + J - 1) & 1>();
-    } else {
-      finish.template operator()<(J - 1) & 1>();
-    }
-    return;
-  }
-  for (int it = 0; it < ntiles; ++it) {
-    const int st = it % S, e0 = e_begin + it * kTile;
-    cp_wait<S - 2>();
-    fence_proxy_async();
-    __syncthreads();
-    const uint32_t ka = keys_u32 + st * kTileBytes;
-    float acc[N / 2];
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) wgmma_n<N>(acc, smem_desc(ka + 32 * k), smem_desc(q_u32 + 32 * k), k);
-    wgmma_commit();
-    // refill the stage freed by tile it - 1 while the wgmmas run
-    if (it + S - 1 < ntiles) {
-      load_tile((it + S - 1) % S, nxt);
-      if (it + S < ntiles) fetch_slots(nxt, e0 + S * kTile);
-    }
-    cp_commit();
-    const float s0 = a.scale * ksc[st * kTile + r0], s1 = a.scale * ksc[st * kTile + r1];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (r > 0) {
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          wgmma_n<N>(acc, smem_desc(ka + 32 * k), smem_desc(q_u32 + r * L::kQBytes + 32 * k), k);
-        wgmma_commit();
-      }
-      wgmma_wait<0>();
-      fence_regs(acc);
-      const float* w = wq + r * H;
-      float p0 = 0.0f, p1 = 0.0f;
-#pragma unroll
-      for (int j = 0; j < H / 8; ++j) {
-        const float2 w2 = *reinterpret_cast<const float2*>(w + 8 * j + 2 * t);
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          float d0 = acc[4 * j + b], d1 = acc[4 * j + 2 + b];
-          if constexpr (TERMS == 2) {
-            d0 = fmaf(acc[4 * (j + H / 8) + b], 0.0625f, d0);
-            d1 = fmaf(acc[4 * (j + H / 8) + 2 + b], 0.0625f, d1);
-          }
-          const float wb = b ? w2.y : w2.x;
-          p0 = fmaf(wb, fmaxf(d0, 0.0f), p0);
-          p1 = fmaf(wb, fmaxf(d1, 0.0f), p1);
-        }
-      }
-      p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
-      p1 += __shfl_xor_sync(0xffffffffu, p1, 1);
-      p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
-      p1 += __shfl_xor_sync(0xffffffffu, p1, 2);
-      float* orow = a.out + (n0 + r) * a.C + e0;
-      if (t == 0 && e0 + r0 < live[r]) orow[r0] = s0 * p0;
-      if (t == 1 && e0 + r1 < live[r]) orow[r1] = s1 * p1;
     }
   }
 }
 
-template <int H, int TERMS, int G, int S, bool PIPE>
+template <int H, int TERMS, int G, int S, int TPJ>
 __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) {
 #if DEEPFUSE_SM90A_DEVICE
   extern __shared__ uint8_t smem_raw[];
@@ -405,11 +305,11 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
     for (int r = 1; r < G; ++r) shared = shared && (r >= rows || __ldg(a.token_req + n0 + r) == req);
   }
   if (shared) {
-    rows_pass<H, TERMS, G, G, S, PIPE>(a, sm, n0, req, e_begin, e_end);
+    rows_pass<H, TERMS, G, G, S, TPJ>(a, sm, n0, req, e_begin, e_end);
   } else {
     for (int r = 0; r < rows; ++r) {
       if (r) __syncthreads();
-      rows_pass<H, TERMS, G, 1, S, PIPE>(a, sm, n0 + r, __ldg(a.token_req + n0 + r), e_begin, e_end);
+      rows_pass<H, TERMS, G, 1, S, 1>(a, sm, n0 + r, __ldg(a.token_req + n0 + r), e_begin, e_end);
     }
   }
 #else
@@ -417,10 +317,10 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
 #endif
 }
 
-template <int H, int TERMS, int G, int S, bool PIPE>
+template <int H, int TERMS, int G, int S, int TPJ>
 void launch(const WArgs& a, cudaStream_t stream) {
   constexpr int smem = Layout<H, TERMS, G, S>::kAlloc;
-  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S, PIPE>;
+  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S, TPJ>;
   static int resident_of[64] = {};  // per device: the attribute is set once on each
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
@@ -449,25 +349,42 @@ void launch(const WArgs& a, cudaStream_t stream) {
   check_launch("indexer_wgmma_kernel");
 }
 
-template <int H, int TERMS, int S, bool PIPE>
-void launch_g(const WArgs& a, int G, cudaStream_t stream) {
-  constexpr int kPre = prefill_rows(H, TERMS);
-  if constexpr (PIPE && kPre != 4) {
-    if (G == kPre) return launch<H, TERMS, kPre, S, PIPE>(a, stream);
+// Tokens per wgmma chain: the most of 4, 2, 1 that divides G with at most `cols` columns.
+constexpr int chain_tokens(int G, int cols_per_token, int cols) {
+  return G % 4 == 0 && 4 * cols_per_token <= cols ? 4 : G % 2 == 0 && 2 * cols_per_token <= cols ? 2 : 1;
+}
+
+template <int H, int TERMS, int G, int S>
+void launch_chain(const WArgs& a, int cols, cudaStream_t stream) {
+  constexpr int NT = H * TERMS;
+  if constexpr (G > 1) {
+    if (chain_tokens(G, NT, cols) == 4) {
+      if constexpr (chain_tokens(G, NT, 256) == 4) return launch<H, TERMS, G, S, 4>(a, stream);
+    }
+    if (chain_tokens(G, NT, cols) >= 2) {
+      if constexpr (chain_tokens(G, NT, 256) >= 2) return launch<H, TERMS, G, S, 2>(a, stream);
+    }
   }
+  launch<H, TERMS, G, S, 1>(a, stream);
+}
+
+template <int H, int TERMS, int S>
+void launch_g(const WArgs& a, int G, int cols, cudaStream_t stream) {
   switch (G) {
-    case 4: launch<H, TERMS, 4, S, PIPE>(a, stream); break;
-    case 3: launch<H, TERMS, 3, S, PIPE>(a, stream); break;
-    case 2: launch<H, TERMS, 2, S, PIPE>(a, stream); break;
-    default: launch<H, TERMS, 1, S, PIPE>(a, stream); break;
+    case 4: launch_chain<H, TERMS, 4, S>(a, cols, stream); break;
+    case 3: launch_chain<H, TERMS, 3, S>(a, cols, stream); break;
+    case 2: launch_chain<H, TERMS, 2, S>(a, cols, stream); break;
+    default: launch<H, TERMS, 1, S, 1>(a, stream); break;
   }
 }
 
-// DEEPFUSE_INDEXER_PIPE: 0 the per-token tile loop everywhere, 1 the pipelined one (rows_pass
-// PIPE) everywhere, 2 the pipelined one for prefill launches only; read per call (benchmarks).
-int pipe_mode() {
-  const char* v = std::getenv("DEEPFUSE_INDEXER_PIPE");
-  return v != nullptr && v[0] >= '0' && v[0] <= '2' ? v[0] - '0' : kPipeDefault;
+// Columns per wgmma chain (tokens of a group sharing one accumulator: fewer reads of the key tile
+// and fewer waits, more registers): DEEPFUSE_INDEXER_CHAIN for decode groups (2-4 tokens of a
+// request), DEEPFUSE_INDEXER_CHAIN_PREFILL for prefill launches (>= 8 tokens per request on
+// average); 0 (or below one token's columns): one token per chain. Read per call (benchmarks).
+int chain_cols(bool prefill) {
+  const char* v = std::getenv(prefill ? "DEEPFUSE_INDEXER_CHAIN_PREFILL" : "DEEPFUSE_INDEXER_CHAIN");
+  return v != nullptr ? std::atoi(v) : prefill ? kChainPrefill : kChainDecode;
 }
 
 }  // namespace
@@ -485,23 +402,13 @@ void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* 
   }
   const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
                 entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, 1};
-  if ((H != 32 && H != 64) || (q_terms != 1 && q_terms != 2))
-    throw std::invalid_argument("deepfuse: indexer_logits_paged: H must be 32 or 64, q_terms 1 or 2");
-  int G = indexer_rows_per_cta(N, num_reqs);
-  const bool prefill = G == 4 && N >= 8 * num_reqs;  // >= 8 tokens per request on average
-  const int mode = pipe_mode();
-  if (mode == 1 || (mode == 2 && prefill)) {
-    if (prefill) G = prefill_rows(H, q_terms);
-    if (H == 64 && q_terms == 2) launch_g<64, 2, kStagesPipe, true>(a, G, stream);
-    else if (H == 64) launch_g<64, 1, kStagesPipe, true>(a, G, stream);
-    else if (q_terms == 2) launch_g<32, 2, kStagesPipe, true>(a, G, stream);
-    else launch_g<32, 1, kStagesPipe, true>(a, G, stream);
-    return;
-  }
-  if (H == 64 && q_terms == 2) launch_g<64, 2, kStages, false>(a, G, stream);
-  else if (H == 64) launch_g<64, 1, kStages, false>(a, G, stream);
-  else if (q_terms == 2) launch_g<32, 2, kStages, false>(a, G, stream);
-  else launch_g<32, 1, kStages, false>(a, G, stream);
+  const int G = indexer_rows_per_cta(N, num_reqs);
+  const int cols = G > 1 ? chain_cols(G == 4 && N >= 8 * num_reqs) : 0;
+  if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, G, cols, stream);
+  else if (H == 64 && q_terms == 1) launch_g<64, 1, kStages>(a, G, cols, stream);
+  else if (H == 32 && q_terms == 2) launch_g<32, 2, kStages>(a, G, cols, stream);
+  else if (H == 32 && q_terms == 1) launch_g<32, 1, kStages>(a, G, cols, stream);
+  else throw std::invalid_argument("deepfuse: indexer_logits_paged: H must be 32 or 64, q_terms 1 or 2");
 }
 
 }  // namespace deepfuse

@@ -334,24 +334,25 @@ def _prefill_tokens(lens, C):
     return req, nv.to(torch.int32)
 
 
-@pytest.mark.parametrize("pipe", ["0", "1", "2"])
+@pytest.mark.parametrize("chain", ["0", "128", "256"])
 @pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
 @pytest.mark.parametrize("lens,C", [([301], 1500), ([150, 77, 200, 9], 700), ([64], 4100)])
-def test_indexer_logits_paged_prefill(lens, C, H, q_fp8, pipe, monkeypatch):
-    """Prefill launches (>= 8 tokens per request: prefill groups of 4-8 tokens under
-    DEEPFUSE_INDEXER_PIPE=1 / 2): one request or chunks of several (groups spanning requests, a
-    short last group), causal n_vis; the bound, poisoned out and bits against one token per CTA."""
-    monkeypatch.setenv("DEEPFUSE_INDEXER_PIPE", pipe)
+def test_indexer_logits_paged_prefill(lens, C, H, q_fp8, chain, monkeypatch):
+    """Prefill launches (>= 8 tokens per request, groups of 4) with each wgmma chain width
+    (DEEPFUSE_INDEXER_CHAIN_PREFILL: up to 128 / 256 columns, i.e. 1-4 tokens per chain): one
+    request or chunks of several (groups spanning requests, a short last group), causal n_vis; the
+    bound, poisoned out and bits against one token per CTA."""
+    monkeypatch.setenv("DEEPFUSE_INDEXER_CHAIN_PREFILL", chain)
     g = _g(sum(lens) + C + H)
     req, nv = _prefill_tokens(lens, C)
     _check_indexer(req, nv, len(lens), C, g, H=H, q_fp8=q_fp8, order="paged")
 
 
 @pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
-def test_indexer_pipe_same_bits(H, q_fp8, monkeypatch):
-    """The pipelined tile loop (DEEPFUSE_INDEXER_PIPE=1) gives the bits of the per-token one (0):
-    decode with 1-4 tokens per request and prefill chunks (each token's wgmmas and head sums run
-    in the same order in both)."""
+def test_indexer_chain_same_bits(H, q_fp8, monkeypatch):
+    """Tokens chained in one wgmma (DEEPFUSE_INDEXER_CHAIN / _CHAIN_PREFILL 128, 256) give the bits
+    of one token per chain (0): decode with 1-4 tokens per request and prefill chunks (each token's
+    products and head sums are the same operations in the same order)."""
     g = _g(H + q_fp8)
     C, ps = 1100, 64
     pages = _idx_pages(12 * C + 12 * ps, ps, g)
@@ -367,10 +368,12 @@ def test_indexer_pipe_same_bits(H, q_fp8, monkeypatch):
         q = _randn(req.shape[0], H, 128, g=g)
         w = torch.randn(req.shape[0], H, generator=g, device=DEV)
         outs = []
-        for pipe in ("0", "1"):
-            monkeypatch.setenv("DEEPFUSE_INDEXER_PIPE", pipe)
+        for cols in ("0", "128", "256"):
+            monkeypatch.setenv("DEEPFUSE_INDEXER_CHAIN", cols)
+            monkeypatch.setenv("DEEPFUSE_INDEXER_CHAIN_PREFILL", cols)
             outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
-        assert torch.equal(outs[0], outs[1]), f"next_n {n}: {(outs[0] != outs[1]).sum().item()} values differ"
+        for o, cols in zip(outs[1:], ("128", "256")):
+            assert torch.equal(outs[0], o), f"next_n {n}, {cols} columns: {(outs[0] != o).sum().item()} values differ"
 
 
 def test_indexer_q_scale_edges():
@@ -478,7 +481,7 @@ def test_rows_sanitize_small():
 def test_indexer_sanitize_groups():
     """indexer_logits_paged's paths for compute-sanitizer: a group of one request's tokens with
     different n_vis, groups spanning requests (one token at a time), a short last group, prefill
-    groups (19 tokens of 2 requests; DEEPFUSE_INDEXER_PIPE as the environment has it)."""
+    groups (19 tokens of 2 requests); DEEPFUSE_INDEXER_CHAIN* as the environment has them."""
     g = _g(98)
     ps = 16
     kp = _idx_pages(2 * 70, ps, g)
