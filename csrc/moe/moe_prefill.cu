@@ -310,9 +310,9 @@ void launch(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
 // columns). Three roles: a producer warp (TMA: A box, row scales, packed weights; cp.async: the
 // rows' four group scales of the chunk), decode warps (packed e2m1 -> 128-byte-swizzled e4m3
 // B tile + one fp32 scale per weight row and chunk), two consumer warpgroups (as above, promoting
-// with row scale x column scale). Stage s holds chunk i (s = i % kMxStages) in both its load area
-// and its decoded area: the producer refills stage s only after the consumers (B, A) and the
-// decoders (packed bytes) are done with chunk i - kMxStages, so the decoders need no empty barrier.
+// with row scale x column scale). Stage s holds chunk i (s = i % S) in both its load area and its
+// decoded area: the producer refills stage s only after the consumers (B, A) and the decoders
+// (packed bytes) are done with chunk i - S, so the decoders need no empty barrier.
 // Scale fold: a weight row's chunk has four group exponents s_g, s_max their largest; group g is
 // decoded as v * 2^(6 - (s_max - s_g)) (e2m1 v) and the chunk's products are promoted with
 // 2^(s_max - 133): w = v 2^(s_g - 127) exactly whenever s_max - s_g <= 14 (every e2m1 value times
@@ -320,17 +320,19 @@ void launch(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
 // subnormal grid (round to nearest even): |error| <= 2^-10 2^(s_max - 133) = 2^-16 2^(s_max - 127)
 // per weight. Shared-expert tiles (fp8): TMA writes the B tile straight into the decoded area; the
 // decoders only write the block scale per column.
-constexpr int kMxStages = 5;
 constexpr int kMxOffBd = kStageA;                // decoded B (16 KB, swizzled)
 constexpr int kMxOffBl = kStageA + 16384;        // packed B (8 KB)
 constexpr int kMxStage = kMxOffBl + 8192;        // 40 KB, a multiple of 1024
-constexpr int kMxOffAS = kMxStages * kMxStage;   // row scales [stage][kASStride]
-constexpr int kMxOffBS = kMxOffAS + kMxStages * kASStride * 4;  // group scale words [stage][128]
-constexpr int kMxOffCS = kMxOffBS + kMxStages * 128 * 4;        // column scales [stage][128]
-constexpr int kMxOffWS = kMxOffCS + kMxStages * 128 * 4;        // shared tiles' block scales [stage][2]
-constexpr int kMxOffBar = kMxOffWS + kMxStages * 2 * 4;
-constexpr int kMxSmem = kMxOffBar + 3 * kMxStages * 8 + 1024;
-static_assert(kMxSmem <= 227 * 1024, "shared memory");
+template <int S>  // S stages (5; 4 for comparisons)
+struct MxCfg {
+  static constexpr int kOffAS = S * kMxStage;                   // row scales [stage][kASStride]
+  static constexpr int kOffBS = kOffAS + S * kASStride * 4;     // group scale words [stage][128]
+  static constexpr int kOffCS = kOffBS + S * 128 * 4;           // column scales [stage][128]
+  static constexpr int kOffWS = kOffCS + S * 128 * 4;           // shared tiles' block scales [stage][2]
+  static constexpr int kOffBar = kOffWS + S * 2 * 4;
+  static constexpr int kSmem = kOffBar + 3 * S * 8 + 1024;
+  static_assert(kSmem <= 227 * 1024, "shared memory");
+};
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
@@ -373,19 +375,20 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
 
 // NDEC decode warps (warps 9 ..): 3 (384 threads, 168 registers each) or 7 (512 threads: the two
 // non-consumer warpgroups drop to 88 registers, the consumers rise to 168).
-template <bool SWIGLU, int NDEC>
+template <bool SWIGLU, int NDEC, int S>
 __global__ void __launch_bounds__(kConsumers + 32 + 32 * NDEC, 1)
     moe_prefill_mx_kernel(const Args a, const __grid_constant__ Maps maps) {
 #if DEEPFUSE_SM90A_DEVICE
-  constexpr int S = kMxStages, kMxDec = 32 * NDEC;
+  using C = MxCfg<S>;
+  constexpr int kMxDec = 32 * NDEC;
   static_assert(NDEC == 3 || NDEC == 7, "decode warps");
   extern __shared__ char smem_raw[];
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  float* sAS = reinterpret_cast<float*>(base + kMxOffAS);
-  uint32_t* sBS = reinterpret_cast<uint32_t*>(base + kMxOffBS);
-  float* sCS = reinterpret_cast<float*>(base + kMxOffCS);
-  float* sWS = reinterpret_cast<float*>(base + kMxOffWS);
-  uint64_t* full = reinterpret_cast<uint64_t*>(base + kMxOffBar);
+  float* sAS = reinterpret_cast<float*>(base + C::kOffAS);
+  uint32_t* sBS = reinterpret_cast<uint32_t*>(base + C::kOffBS);
+  float* sCS = reinterpret_cast<float*>(base + C::kOffCS);
+  float* sWS = reinterpret_cast<float*>(base + C::kOffWS);
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + C::kOffBar);
   uint64_t* empty = full + S;
   uint64_t* dfull = empty + S;
   const int tid = threadIdx.x, lane = tid & 31;
@@ -609,12 +612,13 @@ __global__ void __launch_bounds__(kConsumers + 32 + 32 * NDEC, 1)
 #endif
 }
 
-template <bool SWIGLU, int NDEC>
+template <bool SWIGLU, int NDEC, int S>
 void launch_mx(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
-  auto kern = moe_prefill_mx_kernel<SWIGLU, NDEC>;
-  static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMxSmem);
+  auto kern = moe_prefill_mx_kernel<SWIGLU, NDEC, S>;
+  constexpr int smem = MxCfg<S>::kSmem;
+  static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute(moe_prefill_mx_kernel)");
-  kern<<<grid, kConsumers + 32 + 32 * NDEC, kMxSmem, stream>>>(a, maps);
+  kern<<<grid, kConsumers + 32 + 32 * NDEC, smem, stream>>>(a, maps);
   check_launch("moe_prefill_mx_kernel");
 }
 
@@ -695,9 +699,12 @@ bool moe_prefill_gemms_mx(const MoeProblem& p, const MoePrefillIO& io, cudaStrea
     return false;
   const int sms = num_sms();
   const int rotate = std::getenv("DEEPFUSE_MOE_PREFILL_NO_ROT") == nullptr;
-  // 7 decode warps (512 threads); DEEPFUSE_MOE_PREFILL_MX_DEC=3: 3 (384 threads), for comparisons (read per call)
+  // 7 decode warps (512 threads), 5 stages; for comparisons (read per call): DEEPFUSE_MOE_PREFILL_MX_DEC=3: 3 decode
+  // warps (384 threads); DEEPFUSE_MOE_PREFILL_MX_STAGES=4: 4 stages (7 decode warps)
   const char* dec_env = std::getenv("DEEPFUSE_MOE_PREFILL_MX_DEC");
+  const char* st_env = std::getenv("DEEPFUSE_MOE_PREFILL_MX_STAGES");
   const bool dec7 = !(dec_env != nullptr && std::atoi(dec_env) == 3);
+  const bool st4 = st_env != nullptr && std::atoi(st_env) == 4;
   gather_cast(io, io.x, io.x_bf16, io.rows, p.d, io.xp, io.xsT, stream, "gather_cast_kernel (moe x)");
 
   Args a1{};
@@ -708,8 +715,9 @@ bool moe_prefill_gemms_mx(const MoeProblem& p, const MoePrefillIO& io, cudaStrea
   a1.tasks = io.tasks, a1.ntasks = io.ntasks, a1.ntiles = p.inter / 64;
   a1.out = io.h, a1.limit = p.limit, a1.rotate = rotate;
   const int g1 = static_cast<int>(std::min<int64_t>(sms, io.U * a1.ntiles));
-  if (dec7) launch_mx<true, 7>(a1, m1, g1, stream);
-  else launch_mx<true, 3>(a1, m1, g1, stream);
+  if (!dec7) launch_mx<true, 3, 5>(a1, m1, g1, stream);
+  else if (st4) launch_mx<true, 7, 4>(a1, m1, g1, stream);
+  else launch_mx<true, 7, 5>(a1, m1, g1, stream);
 
   gather_cast(io, io.h, true, nullptr, p.inter, io.hq, io.hsT, stream, "gather_cast_kernel (moe h)");
 
@@ -721,8 +729,9 @@ bool moe_prefill_gemms_mx(const MoeProblem& p, const MoePrefillIO& io, cudaStrea
   a2.tasks = io.tasks, a2.ntasks = io.ntasks, a2.ntiles = p.d / 128;
   a2.out = io.Y, a2.row_weight = io.wrow, a2.rotate = rotate;
   const int g2 = static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles));
-  if (dec7) launch_mx<false, 7>(a2, m2, g2, stream);
-  else launch_mx<false, 3>(a2, m2, g2, stream);
+  if (!dec7) launch_mx<false, 3, 5>(a2, m2, g2, stream);
+  else if (st4) launch_mx<false, 7, 4>(a2, m2, g2, stream);
+  else launch_mx<false, 7, 5>(a2, m2, g2, stream);
   return true;
 }
 

@@ -6,9 +6,10 @@ exponents lie within 14 of their largest; beyond, within 2^-16 of the chunk's la
 per weight), promoted per chunk with 2^(s_max - 133) per weight row. Checked like
 test_moe_gpu.py's prefill tests, every element: against the emulation of the kernel's activation
 roundings (x and h to FP8 per 128, h to bf16) and against the exact reference (relative
-Frobenius error <= 0.08), outputs poisoned with NaN first, bitwise reproducible. The path is forced
-with ops.moe.PREFILL_MXFP4_MIN_T (0 by default until validated) and checked to have run
-(the kernel's name in the profiler's trace).
+Frobenius error <= 0.08), outputs poisoned with NaN first, bitwise reproducible. The path is set
+with ops.moe.PREFILL_MXFP4_MIN_T (the fixture pins it at 257) and checked to have run (the kernel's
+name in the profiler's trace). DEEPFUSE_MOE_PREFILL_MX_DEC=3 / DEEPFUSE_MOE_PREFILL_MX_STAGES=4 run the
+kernel's other configurations (3 decode warps / 4 stages).
 """
 import pytest
 import torch
