@@ -61,8 +61,9 @@ STREAM_MIN_T = {"fp8": 2, "mxfp4": 1}
 PREFILL_MIN_T = 257
 # mxfp4 moe_experts on CUDA from this T on (> 256; 0: never) runs the same prefill structure with the e2m1
 # weights decoded to e4m3 in shared memory by decode warps (csrc/moe/moe_prefill.cu); PREFILL_MIN_T = 0
-# turns both formats off. H200: 2.1-2.3x the grouped kernels at T 300 / 512 / 4096 / 16384, 1.3-1.7x the torch
-# grouped-GEMM pipelines at T >= 512 (docs/notes/moe.md, "MXFP4 experts on the prefill path").
+# turns both formats off. H200: 2.1-2.3x the grouped kernels at T 300 / 512 / 4096 / 16384; against the torch
+# pipelines 1.3-1.5x (bf16 grouped_mm), 0.8x / 1.6-1.7x (fp8 scaled_grouped_mm, T = 512 / >= 4096) (docs/notes/moe.md,
+# "MXFP4 experts on the prefill path").
 PREFILL_MXFP4_MIN_T = 257
 
 
