@@ -51,9 +51,13 @@ __device__ __forceinline__ void dequant16(const uint4& raw, float mul, uint4& lo
 // Split-KV (P.splits > 1): unnormalised fp32 partials and (max, sum) into the workspace.
 // Otherwise: sink normalisation, lse, inverse RoPE on the last 2 * rope_pairs columns, bf16 or
 // MXFP8 (e4m3 + UE8M0 per 32 columns, group amax over the quad).
+// With a staging tile (stage != nullptr, shared memory): the bf16 / e4m3 values of row
+// hrow[i] - row0 go there instead of to P.out, 16-byte chunk c of a row at chunk c ^ (row & 7)
+// (rows of 1024 bytes for bf16, 512 for MXFP8); the caller copies the tile out (store_staged).
 template <class Acc>
 __device__ __forceinline__ void write_output(const AttnParams& P, int64_t t, const int (&hrow)[2], int half, int qd,
-                                             const float (&m_run)[2], const float (&l_run)[2], Acc&& o) {
+                                             const float (&m_run)[2], const float (&l_run)[2], Acc&& o,
+                                             uint8_t* stage = nullptr, int row0 = 0) {
   const int col0 = half * 256 + 2 * qd;  // column of o(j, i, 0) = col0 + 8 j
   if (P.splits > 1) {
     const int64_t base = (static_cast<int64_t>(blockIdx.y) * P.T + t) * P.H;
@@ -99,6 +103,14 @@ __device__ __forceinline__ void write_output(const AttnParams& P, int64_t t, con
   if (!P.mxfp8) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+      if (stage != nullptr) {  // chunk half * 32 + j of the row, bytes 4 qd ..
+        const int r = hrow[i] - row0;
+        uint8_t* sr = stage + r * 1024 + 4 * qd;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          *reinterpret_cast<uint32_t*>(sr + (((half * 32 + j) ^ (r & 7)) << 4)) = pack_bf16(o(j, i, 0), o(j, i, 1));
+        continue;
+      }
       __nv_bfloat16* ob = static_cast<__nv_bfloat16*>(P.out) + (t * P.H + hrow[i]) * kDim + col0;
 #pragma unroll
       for (int j = 0; j < 32; ++j) *reinterpret_cast<uint32_t*>(ob + j * 8) = pack_bf16(o(j, i, 0), o(j, i, 1));
@@ -121,11 +133,31 @@ __device__ __forceinline__ void write_output(const AttnParams& P, int64_t t, con
           const float a = fminf(fmaxf(o(j, i, 0) * mul, -kE4M3Max), kE4M3Max);
           const float b = fminf(fmaxf(o(j, i, 1) * mul, -kE4M3Max), kE4M3Max);
           const __nv_fp8x2_storage_t v = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-          *reinterpret_cast<uint16_t*>(ob + j * 8) = static_cast<uint16_t>(v);
+          if (stage != nullptr) {  // chunk half * 16 + j / 2 of the row, bytes 8 (j & 1) + 2 qd ..
+            const int r = hrow[i] - row0;
+            *reinterpret_cast<uint16_t*>(stage + r * 512 + (((half * 16 + (j >> 1)) ^ (r & 7)) << 4) + 8 * (j & 1) +
+                                         2 * qd) = static_cast<uint16_t>(v);
+          } else {
+            *reinterpret_cast<uint16_t*>(ob + j * 8) = static_cast<uint16_t>(v);
+          }
         }
         if (qd == 0) P.out_scale[(t * P.H + hrow[i]) * 16 + half * 8 + gg] = static_cast<uint8_t>(e + 127);
       }
     }
+  }
+}
+
+// Copies a staged tile of 64 output rows (write_output with a stage) to rows row0 .. row0 + 63 of
+// query row t of P.out with 16-byte stores: nthr threads, thread index i; rows contiguous in P.out.
+__device__ __forceinline__ void store_staged(const AttnParams& P, int64_t t, int row0, const uint8_t* stage, int i,
+                                             int nthr) {
+  const int rb = P.mxfp8 ? 512 : 1024;  // bytes per row
+  const int cpr = rb >> 4;               // chunks per row
+  uint8_t* dst = static_cast<uint8_t*>(P.out) + (t * P.H + row0) * static_cast<int64_t>(rb);
+  for (int k = i; k < 64 * cpr; k += nthr) {
+    const int r = k / cpr, c = k - r * cpr;
+    *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(k) * 16) =
+        *reinterpret_cast<const uint4*>(stage + r * rb + ((c ^ (r & 7)) << 4));
   }
 }
 

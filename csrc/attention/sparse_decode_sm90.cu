@@ -27,13 +27,33 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev >= 64 || !attr_done[dev]) {
-    check_cuda(cudaFuncSetAttribute(attn_wg::sparse_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    attn_wg::kSmemBytes),
-               "sparse_attention (wgmma): smem attribute");
+    for (const void* f : {(const void*)attn_wg::sparse_decode_kernel<1>, (const void*)attn_wg::sparse_decode_kernel<2>})
+      check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, attn_wg::kSmemBytes),
+                 "sparse_attention (wgmma): smem attribute");
     if (dev < 64) attr_done[dev] = true;
   }
+  // H = 128 as a 2-CTA cluster sharing the dequantised tiles: DEEPFUSE_SPARSE_DECODE_CLUSTER=1
+  // (off by default: no faster than two independent CTAs on the H200, docs/notes/attention.md).
+  const char* ce = std::getenv("DEEPFUSE_SPARSE_DECODE_CLUSTER");
+  const bool cl = p.H == 128 && ce != nullptr && std::strcmp(ce, "1") == 0;
   const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.T) * (p.H / 64)), static_cast<unsigned>(p.splits), 1);
-  attn_wg::sparse_decode_kernel<<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
+  if (!cl) {
+    attn_wg::sparse_decode_kernel<1><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(attn_wg::kThreads, 1, 1);
+    cfg.dynamicSmemBytes = attn_wg::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    check_cuda(cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2>, p), "sparse_attention (wgmma): cluster launch");
+  }
   check_launch("sparse_attention (wgmma)");
 }
 

@@ -2,17 +2,22 @@
 // any T with one query row per CTA group, G = 1, FP8 pages). Semantics: ops/attention.py;
 // host selection: sparse_attn_sm90_bf16.cu (sparse_decode_enabled).
 //
-// CTA = 3 warpgroups (384 threads), 64 query heads of one query row t (H = 128: two CTAs).
+// CTA = 3 warpgroups (384 threads), 64 query heads of one query row t. H = 128 (C = 2): the two
+// CTAs of row t form a cluster; each dequantises half of every block's keys into both CTAs'
+// tiles (st.async into the peer, completing on its "rfull" mbarrier), so a key is converted
+// once per row; only with DEEPFUSE_SPARSE_DECODE_CLUSTER=1, else two independent CTAs (C = 1).
 // Keys in blocks of 64 positions of the virtual list (source 0's columns, then source 1's).
-// - Warpgroup 0 (producer, 88 registers): per block, each key row by two threads: slot
-//   index, validity (0 <= slot < num_slots, position < length), the 36 16-byte chunks of
-//   the 584-byte row: the 28 e4m3 ones loaded into registers (14 per thread, before waiting
-//   for the stage), e4m3 x 2^(s-127) -> bf16 (bit-exact with kv_dequantise_rows), the 8 bf16
-//   RoPE ones copied by cp.async; stored into a 64 x 512 bf16 tile in the wgmma
-//   128-byte-swizzle layout ([8 sub-tiles of 64 dims][64 keys][128 B]); invalid keys are
-//   written as zeros and flagged in a per-stage byte mask. Two stages, "full" / "empty"
-//   mbarriers. Slot indices are loaded three blocks ahead and block i + 2's rows prefetched
-//   into L2; the consumers load Q meanwhile.
+// - Warpgroup 0 (producer, 88 registers): per block, each of its 64 / C key rows by 2 C
+//   threads: slot index, validity (0 <= slot < num_slots, position < length), the 36 16-byte
+//   chunks of the 584-byte row: the 28 e4m3 ones loaded into registers (before waiting for
+//   the stage), e4m3 x 2^(s-127) -> bf16 (bit-exact with kv_dequantise_rows), the 8 bf16 RoPE
+//   ones copied (cp.async; C = 2 through registers, for the peer's copy); stored into a
+//   64 x 512 bf16 tile in the wgmma 128-byte-swizzle layout ([8 sub-tiles of 64 dims][64 keys]
+//   [128 B]); invalid keys are written as zeros and flagged in a per-stage byte mask. Two
+//   stages, "full" / "empty" mbarriers. Slot indices are loaded three blocks ahead into
+//   registers that nothing reads until their block (the loop is unrolled by three so that
+//   they are never copied: a dependent instruction would wait for the load), block i + 2's
+//   rows are prefetched into L2; the consumers load Q (cp.async) meanwhile.
 // - Warpgroups 1 and 2 (consumers, 208 registers): warpgroup w owns dims / output columns
 //   256 w .. 256 w + 255. S_w = Q[:, half w] K[:, half w]^T by 16 wgmma m64n64k16 (both
 //   operands K-major from shared memory); the two partial logit tiles are exchanged through
@@ -23,7 +28,8 @@
 //   8-key groups). The 64 x 256 fp32 accumulator is 128 registers per thread.
 // Splits (gridDim.y) take contiguous ranges of blocks and write the unnormalised partials
 // that sparse_attn_combine_kernel merges; with one split the epilogue (sink, lse, inverse
-// RoPE, bf16 or MXFP8) runs here, the same as sparse_attn_sm90_bf16.cuh's.
+// RoPE, bf16 or MXFP8; attn_dev::write_output) stages the output tile in shared memory and
+// stores it with coalesced 16-byte stores.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -51,8 +57,8 @@ constexpr int kQOff = 0;
 constexpr int kKOff = kTile;                   // 2 stages
 constexpr int kXOff = 3 * kTile;               // logit exchange: 2 warpgroups x 32 x 128 fp32
 constexpr int kMaskOff = kXOff + 2 * 32 * 128 * 4;
-constexpr int kBarOff = kMaskOff + 2 * 64;     // full[2], empty[2]
-constexpr int kSmemBytes = kBarOff + 32 + 1024;  // + alignment slack (1024-byte swizzle atoms)
+constexpr int kBarOff = kMaskOff + 2 * 64;     // full[2], empty[2], rfull[2] (the peer's half, C = 2)
+constexpr int kSmemBytes = kBarOff + 48 + 1024;  // + alignment slack (1024-byte swizzle atoms)
 constexpr int kProducerRegs = 88;
 constexpr int kConsumerRegs = 208;
 constexpr float kLn2 = 0.69314718055994530942f;
@@ -99,6 +105,27 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ uint32_t mapa(uint32_t a, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_bar) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar) : "memory");
+}
+// 16 bytes into the peer CTA's shared memory, completing on its mbarrier.
+__device__ __forceinline__ void st_async16(uint32_t cluster_addr, const uint4& v, uint32_t cluster_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   cluster_addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cluster_bar)
+               : "memory");
+}
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t ok = 0;
   do {
@@ -115,6 +142,28 @@ __device__ __forceinline__ uint4 ld_nc16(const void* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
+}
+
+// A slot index as loaded (lo, hi words; hi only for int64 indices), zero when !pred. Nothing
+// reads the destination registers here, so the load stays in flight until the slot is used.
+struct RawSlot {
+  uint32_t lo, hi;
+};
+__device__ __forceinline__ RawSlot ld_slot(const void* p, int is64, bool pred) {
+  RawSlot r;
+  if (is64) {
+    asm volatile("{ .reg .pred q; setp.ne.b32 q, %3, 0; mov.b32 %0, 0; mov.b32 %1, 0;\n"
+                 "@q ld.global.nc.v2.b32 {%0, %1}, [%2]; }\n"
+                 : "=r"(r.lo), "=r"(r.hi)
+                 : "l"(p), "r"(pred ? 1 : 0));
+  } else {
+    asm volatile("{ .reg .pred q; setp.ne.b32 q, %2, 0; mov.b32 %0, 0;\n"
+                 "@q ld.global.nc.b32 %0, [%1]; }\n"
+                 : "=r"(r.lo)
+                 : "l"(p), "r"(pred ? 1 : 0));
+    r.hi = 0;
+  }
+  return r;
 }
 
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
@@ -136,24 +185,34 @@ __device__ __forceinline__ void wgmma_rs_m64n256k16_tb(float (&d)[128], uint32_t
 }
 
 
+template <int C>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid_constant__ AttnParams P) {
 #if DEEPFUSE_SM90A_DEVICE
+  static_assert(C == 1 || C == 2, "cluster size");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const uint32_t sb = smem_u32(sm);
-  const uint32_t full0 = sb + kBarOff, empty0 = sb + kBarOff + 16;
+  const uint32_t full0 = sb + kBarOff, empty0 = sb + kBarOff + 16, rfull0 = sb + kBarOff + 32;
   const int tid = threadIdx.x;
   const int HT = P.H / 64;
   const int64_t t = static_cast<int64_t>(blockIdx.x) / HT;
   const int head0 = static_cast<int>(blockIdx.x % HT) * 64;
+  // C = 2 (H = 128): the two CTAs of row t (cluster ranks = head halves) each dequantise half of
+  // every block's keys into both CTAs' tiles.
+  const int crank = C == 2 ? static_cast<int>(blockIdx.x & 1) : 0;
 
   if (tid == 0) {
     for (int s = 0; s < 2; ++s) {
       mbar_init(full0 + 8 * s, 128);
-      mbar_init(empty0 + 8 * s, 256);
+      mbar_init(empty0 + 8 * s, 256 + 2 * (C - 1));  // every local consumer thread + one per peer warpgroup
+      if (C == 2) mbar_init(rfull0 + 8 * s, 1);       // this CTA's expect_tx; the peer's st.async bytes
     }
+    if (C == 2) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if (C == 2)
+    cluster_sync_all();  // barriers initialised and both CTAs running before any DSMEM traffic
+  else
+    __syncthreads();
 
   const int K0 = P.src[0].K;
   const int K_all = K0 + P.src[1].K;
@@ -166,7 +225,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   if (wg == 0) {
     // ---------------------------------------------------------------- producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    const int key = tid >> 1, half = tid & 1;
+    // This CTA converts keys crank * 64 / C .. + 64 / C - 1 of each block, TPK threads per key:
+    // e4m3 chunks j = TPK jj + q (jj < 28 / TPK), RoPE chunks j = 28 + TPK jj + q (jj < 8 / TPK).
+    constexpr int TPK = 2 * C, NE = 28 / TPK, NR = 8 / TPK;
+    const int q = tid & (TPK - 1);
+    const int key = crank * (64 / C) + (tid >> C);
+    const int mkey = tid >> 1;  // the mask byte this thread pair writes (every key of the block)
     int len[2];
 #pragma unroll
     for (int si = 0; si < 2; ++si) {
@@ -175,19 +239,31 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       if (S.len != nullptr) L = min(L, load_i(S.len, S.len64, t));
       len[si] = static_cast<int>(L > 0 ? L : 0);
     }
-    // Raw slot of this thread's key in block i (-1 past the block range or the length; not yet
-    // range-checked, so that the load is not waited for here).
-    auto raw_slot = [&](int i) -> int64_t {
-      const int p = (b_begin + i) * 64 + key;
+    // Slot index of key k of block i as loaded: issued three blocks ahead and not read until
+    // its block (no dependent instruction in between, so consecutive blocks' loads overlap).
+    auto load_slot = [&](int i, int k) -> RawSlot {
+      const int p = (b_begin + i) * 64 + k;
+      const int si = p < K0 ? 0 : 1;
+      const AttnSource& S = P.src[si];
+      const bool in = i < nb && p < K_all;
+      return ld_slot(static_cast<const uint8_t*>(S.idx) + ((t * S.K + (in ? p - (si ? K0 : 0) : 0)) << (S.idx64 ? 3 : 2)),
+                     S.idx64, in);
+    };
+    // The slot of key k of block i from its raw load; -1 past the block range or the length.
+    auto slot_of = [&](int i, int k, const RawSlot& r) -> int64_t {
+      const int p = (b_begin + i) * 64 + k;
       const int si = p < K0 ? 0 : 1;
       const int pos = p - (si ? K0 : 0);
       if (i >= nb || p >= K_all || pos >= (si ? len[1] : len[0])) return -1;
-      const AttnSource& S = P.src[si];
-      return load_i(S.idx, S.idx64, t * S.K + pos);
+      return P.src[si].idx64 ? static_cast<int64_t>((static_cast<uint64_t>(r.hi) << 32) | r.lo)
+                             : static_cast<int64_t>(static_cast<int32_t>(r.lo));
     };
-    // Row data and scale addresses of raw slot v of block i; false when the key is skipped.
-    auto row_of = [&](int i, int64_t v, const uint8_t*& rowp, const uint8_t*& sclp) -> bool {
-      const AttnSource& S = P.src[(b_begin + i) * 64 + key < K0 ? 0 : 1];
+    auto slot_ok = [&](int i, int k, int64_t v) -> bool {
+      return v >= 0 && v < P.src[(b_begin + i) * 64 + k < K0 ? 0 : 1].num_slots;
+    };
+    // Row data and scale addresses of slot v of key k of block i; false when the key is skipped.
+    auto row_of = [&](int i, int k, int64_t v, const uint8_t*& rowp, const uint8_t*& sclp) -> bool {
+      const AttnSource& S = P.src[(b_begin + i) * 64 + k < K0 ? 0 : 1];
       if (v < 0 || v >= S.num_slots) return false;
       const int sl = static_cast<int>(v);
       const int page = sl / S.page_size;
@@ -197,65 +273,107 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       sclp = pg + static_cast<int64_t>(S.page_size) * 576 + row * 8;
       return true;
     };
-    // Block i + 2's rows into L2 (data and scale lines), its slots loaded an iteration earlier;
-    // block i + 3's slots loaded now. The loads of block i then hit L2 instead of HBM.
-    auto prefetch = [&](int i, int64_t v) {
+    // Block i's rows into L2 (data and scale lines); the loads of block i then hit L2.
+    auto prefetch = [&](int i, const RawSlot& r) {
       const uint8_t *rp, *sp;
-      if (i < nb && row_of(i, v, rp, sp)) {
+      if (i < nb && row_of(i, key, slot_of(i, key, r), rp, sp)) {
         // the row's 576 bytes (64-byte aligned) lie in the 128-byte lines of rp + 0, 128, .., 512
-        const uint8_t* a0 = rp + half * 384;
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a0) : "memory");
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a0 + 128) : "memory");
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(half == 0 ? a0 + 256 : sp) : "memory");
+        if (C == 1) {
+          const uint8_t* a0 = rp + q * 384;
+          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a0) : "memory");
+          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a0 + 128) : "memory");
+          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(q == 0 ? a0 + 256 : sp) : "memory");
+        } else {
+          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rp + q * 128) : "memory");
+          if (q < 2) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(q == 0 ? rp + 512 : sp) : "memory");
+        }
       }
     };
-    int64_t r0 = raw_slot(0), r1 = raw_slot(1), r2 = raw_slot(2);
-    prefetch(1, r1);
-    for (int i = 0; i < nb; ++i) {
+    const uint32_t peer_sb = C == 2 ? mapa(sb, crank ^ 1) : 0;
+    // Block i: its slot in cur (reloaded with block i + 3's), block i + 2's in n2 (prefetched),
+    // C = 2: the mask key's slot of block i in mcur (reloaded with block i + 3's).
+    auto step = [&](int i, RawSlot& cur, const RawSlot& n2, RawSlot& mcur) {
       const int s = i & 1;
-      const int64_t r3 = raw_slot(i + 3);
-      prefetch(i + 2, r2);
+      prefetch(i + 2, n2);
       const uint8_t *rowp = P.src[0].base, *sclp = nullptr;  // (a valid address, never read, when skipped)
-      const bool valid = row_of(i, r0, rowp, sclp);
-      r0 = r1, r1 = r2, r2 = r3;
-      uint4 raw[14];
+      const bool valid = row_of(i, key, slot_of(i, key, cur), rowp, sclp);
+      const bool mvalid = C == 2 ? slot_ok(i, mkey, slot_of(i, mkey, mcur)) : valid;
+      cur = load_slot(i + 3, key);
+      if (C == 2) mcur = load_slot(i + 3, mkey);
+      uint4 raw[NE], rope[C == 2 ? NR : 1];
       uint2 scl = make_uint2(0, 0);
       if (valid) {
-        rowp += half * 16;
+        rowp += q * 16;
 #pragma unroll
-        for (int jj = 0; jj < 14; ++jj) raw[jj] = ld_nc16(rowp + jj * 32);
+        for (int jj = 0; jj < NE; ++jj) raw[jj] = ld_nc16(rowp + jj * 16 * TPK);
+        if (C == 2) {
+#pragma unroll
+          for (int jj = 0; jj < NR; ++jj) rope[jj] = ld_nc16(rowp + 448 + jj * 16 * TPK);
+        }
         scl = __ldg(reinterpret_cast<const uint2*>(sclp));
       } else {
 #pragma unroll
-        for (int jj = 0; jj < 14; ++jj) raw[jj] = make_uint4(0, 0, 0, 0);
+        for (int jj = 0; jj < NE; ++jj) raw[jj] = make_uint4(0, 0, 0, 0);
+        if (C == 2) {
+#pragma unroll
+          for (int jj = 0; jj < NR; ++jj) rope[jj] = make_uint4(0, 0, 0, 0);
+        }
       }
       if (i >= 2) mbar_wait(empty0 + 8 * s, ((i >> 1) + 1) & 1);
       uint8_t* kt = sm + kKOff + s * kTile;
-      // bf16 RoPE chunks j = 28..35 (dims 8 (j + 28) ..): copied as they are by cp.async (zero
-      // fill for a skipped key), landing while the e4m3 chunks are converted.
+      const uint32_t rbar = C == 2 ? mapa(rfull0 + 8 * s, crank ^ 1) : 0;
+      const uint32_t rkt = peer_sb + kKOff + s * kTile;
+      if (C == 2 && tid == 0) mbar_expect_tx(rfull0 + 8 * s, 64 / C * 1024);  // the peer's keys of this block
+      if (C == 1) {
+        // bf16 RoPE chunks: copied as they are by cp.async (zero fill for a skipped key), landing
+        // while the e4m3 chunks are converted.
 #pragma unroll
-      for (int jj = 14; jj < 18; ++jj) {
-        const int j = 2 * jj + half;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(kt + toff(key, j + 28))),
-                     "l"(rowp + jj * 32), "r"(valid ? 16 : 0)
-                     : "memory");
+        for (int jj = 0; jj < NR; ++jj) {
+          const int j = 28 + TPK * jj + q;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(kt + toff(key, j + 28))),
+                       "l"(rowp + 448 + jj * 16 * TPK), "r"(valid ? 16 : 0)
+                       : "memory");
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < NR; ++jj) {
+          const uint32_t off = toff(key, 28 + TPK * jj + q + 28);
+          *reinterpret_cast<uint4*>(kt + off) = rope[jj];
+          st_async16(rkt + off, rope[jj], rbar);
+        }
       }
-      asm volatile("cp.async.commit_group;\n" ::: "memory");
 #pragma unroll
-      for (int jj = 0; jj < 14; ++jj) {  // e4m3 chunks j = 2 jj + half: values 16 j .. 16 j + 15
-        const int j = 2 * jj + half;
+      for (int jj = 0; jj < NE; ++jj) {  // e4m3 chunks j: values 16 j .. 16 j + 15
+        const int j = TPK * jj + q;
         const int gi = j >> 2;
         const uint32_t sbyte = ((gi < 4 ? scl.x >> (8 * gi) : scl.y >> (8 * (gi - 4)))) & 0xffu;
         uint4 lo, hi;
         dequant16(raw[jj], exp2i(static_cast<int>(sbyte) - 127), lo, hi);
-        *reinterpret_cast<uint4*>(kt + toff(key, 2 * j)) = lo;
-        *reinterpret_cast<uint4*>(kt + toff(key, 2 * j + 1)) = hi;
+        const uint32_t o0 = toff(key, 2 * j), o1 = toff(key, 2 * j + 1);
+        *reinterpret_cast<uint4*>(kt + o0) = lo;
+        *reinterpret_cast<uint4*>(kt + o1) = hi;
+        if (C == 2) {
+          st_async16(rkt + o0, lo, rbar);
+          st_async16(rkt + o1, hi, rbar);
+        }
       }
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
-      if (half == 0) sm[kMaskOff + s * 64 + key] = valid ? 1 : 0;
+      if (C == 1) asm volatile("cp.async.wait_all;\n" ::: "memory");
+      if ((tid & 1) == 0) sm[kMaskOff + s * 64 + mkey] = mvalid ? 1 : 0;
       fence_proxy_async();
       mbar_arrive(full0 + 8 * s);
+    };
+    RawSlot a0 = load_slot(0, key), a1 = load_slot(1, key), a2 = load_slot(2, key);
+    RawSlot b0 = {0, 0}, b1 = {0, 0}, b2 = {0, 0};
+    if (C == 2) b0 = load_slot(0, mkey), b1 = load_slot(1, mkey), b2 = load_slot(2, mkey);
+    prefetch(1, a1);
+    // Unrolled by three: the slot registers are never copied (a copy would wait for the load).
+    for (int i = 0; i < nb; i += 3) {
+      step(i, a0, a2, b0);
+      if (i + 1 < nb) step(i + 1, a1, a0, b1);
+      if (i + 2 < nb) step(i + 2, a2, a1, b2);
     }
+    if (C == 2) cluster_sync_all();  // no CTA leaves while its peer may still address it
     return;
   }
 
@@ -263,12 +381,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
   // Q tile (64 heads x 512) -> shared memory, swizzled, by the consumers while the producer
   // starts on the first blocks.
-  for (int i = tid - 128; i < 64 * 64; i += 256) {
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {  // all 16 chunks of a thread in flight at once (cp.async, no registers)
+    const int i = tid - 128 + 256 * k;
     const int r = i >> 6, c = i & 63;
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(P.q) + t * P.q_ld_t +
-                                                         (head0 + r) * P.q_ld_h + c * 8));
-    *reinterpret_cast<uint4*>(sm + kQOff + toff(r, c)) = v;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sb + kQOff + toff(r, c)),
+                 "l"(static_cast<const __nv_bfloat16*>(P.q) + t * P.q_ld_t + (head0 + r) * P.q_ld_h + c * 8)
+                 : "memory");
   }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_all;\n" ::: "memory");
   fence_proxy_async();  // Q's stores -> the wgmma (async) proxy
   named_bar(2, 256);
   const int w = wg - 1;        // dims / output columns 256 w ..
@@ -294,8 +415,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       wgmma_ss_m64n64k16(sc, desc_k(sb + kQOff + off), desc_k(kt + off), ks > 0 ? 1 : 0);
     }
   };
+  // Block i's tile is complete when this CTA's producer arrived (and, C = 2, the peer's bytes landed).
+  auto wait_full = [&](int i) {
+    mbar_wait(full0 + 8 * (i & 1), (i >> 1) & 1);
+    if (C == 2) mbar_wait(rfull0 + 8 * (i & 1), (i >> 1) & 1);
+  };
   if (nb > 0) {
-    mbar_wait(full0, 0);
+    wait_full(0);
     wg_fence();
     issue_qk(0);
     wg_commit();
@@ -369,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       wgmma_rs_m64n256k16_tb(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
                              desc_mn(kt + 4 * w * kSub + kk * 2048), 1);
     if (i + 1 < nb) {
-      mbar_wait(full0 + 8 * (s ^ 1), ((i + 1) >> 1) & 1);
+      wait_full(i + 1);
       issue_qk(i + 1);
     }
     wg_commit();
@@ -377,7 +503,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     fence_regs(o);
     fence_regs(sc);
     mbar_arrive(empty0 + 8 * s);
+    if (C == 2 && lt == 0) mbar_arrive_remote(mapa(empty0 + 8 * s, crank ^ 1));  // (the whole warpgroup's MMAs are done)
   }
+  if (C == 2) cluster_sync_all();  // no CTA leaves while its peer may still address it
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -385,8 +513,19 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
   }
   const int hrow[2] = {head0 + wi * 16 + g, head0 + wi * 16 + g + 8};
+  // Without splits the output tile is staged in shared memory (key stage 0, free once both
+  // warpgroups are past their last MMA) and stored with coalesced 16-byte stores.
+  uint8_t* stage = nullptr;
+  if (P.splits == 1) {
+    named_bar(3, 256);
+    stage = sm + kKOff;
+  }
   attn_dev::write_output(P, t, hrow, w, qd, m_run, l_run,
-                         [&](int j, int i, int k) -> float& { return o[4 * j + 2 * i + k]; });
+                         [&](int j, int i, int k) -> float& { return o[4 * j + 2 * i + k]; }, stage, head0);
+  if (stage != nullptr) {
+    named_bar(3, 256);
+    attn_dev::store_staged(P, t, head0, stage, tid - 128, 256);
+  }
 #else
   __trap();
 #endif

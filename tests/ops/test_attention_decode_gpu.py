@@ -1,6 +1,8 @@
 """ops.sparse_attention_paged on the warp-specialised wgmma kernel (csrc/attention/sparse_decode_sm90.cuh):
 one query row per CTA group (plan group_rows 1), H 64 / 128, FP8 pages. The kernel is selected by
-DEEPFUSE_SPARSE_DECODE (1: on, 0: the mma.sync kernel); each test sets it.
+DEEPFUSE_SPARSE_DECODE (1: on, 0: the mma.sync kernel); each test sets it. H 128 runs as two
+independent CTAs, or with DEEPFUSE_SPARSE_DECODE_CLUSTER=1 as a cluster of two CTAs sharing the
+dequantised key tiles (test_h128_cluster, and the sanitize case with the cluster).
 
 Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
 docstring): fresh random caches written by kv_store into NaN-poisoned pages, -1 holes,
@@ -20,6 +22,7 @@ from deepfuse.ops import attention as A
 from test_attention_paged import _run_case, make_cache, make_indices
 
 ENV = "DEEPFUSE_SPARSE_DECODE"
+ENV_CLUSTER = "DEEPFUSE_SPARSE_DECODE_CLUSTER"
 
 
 @pytest.fixture
@@ -55,6 +58,18 @@ def test_cases(wg, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dict(H=128, T=6, K1=128, K2=512),
+    dict(H=128, T=4, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8"),
+])
+def test_h128_cluster(wg, monkeypatch, case):
+    """H 128 as a cluster (each CTA dequantises half of the keys into both CTAs' tiles) passes the
+    same bounds."""
+    monkeypatch.setenv(ENV_CLUSTER, "1")
+    _run_case(G=1, **case, seed=len(str(case)) + 9)
+
+
+@pytest.mark.gpu
 def test_switch_selects_the_kernel(monkeypatch):
     """Both kernels pass the same bounds; their fp32 summation orders differ, so the bf16 outputs
     differ in some elements: the switch reaches the launcher."""
@@ -75,8 +90,9 @@ def test_switch_selects_the_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [64, 128])
-def test_cuda_graph(wg, H):
+@pytest.mark.parametrize("H,cluster", [(64, "0"), (128, "0"), (128, "1")])
+def test_cuda_graph(wg, monkeypatch, H, cluster):
+    monkeypatch.setenv(ENV_CLUSTER, cluster)
     gen = torch.Generator().manual_seed(10 + H)
     T = 4
     kv1, s1, deq1 = make_cache(8, 64, "fp8", 400, gen, "cuda")
@@ -126,6 +142,10 @@ def test_cuda_graph(wg, H):
     dict(H=64, T=4, K1=40, K2=70, splits=2, oob=True),
     dict(H=128, T=3, K1=128, K2=200, out_format="mxfp8"),
     dict(H=64, T=2, K1=64, K2=None, splits=1),
+    dict(H=128, T=4, K1=40, K2=70, splits=2, oob=True, cluster=True),
 ])
-def test_sanitize(wg, case):
+def test_sanitize(wg, monkeypatch, case):
+    case = dict(case)
+    if case.pop("cluster", False):
+        monkeypatch.setenv(ENV_CLUSTER, "1")
     _run_case(G=1, **case, seed=3)
