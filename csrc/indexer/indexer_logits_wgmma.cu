@@ -33,6 +33,7 @@ constexpr int kRow = 128;    // bytes per key row (K)
 constexpr int kTileBytes = kTile * kRow;
 constexpr int kStages = 4;   // key tiles per CTA: 3 in flight while one is computed
 constexpr int kChainDecode = 256, kChainPrefill = 256;  // chain_cols() without its environment variables
+constexpr int kStagesSingle = 4;  // single_stages() without DEEPFUSE_INDEXER_STAGES
 
 struct WArgs {
   const __nv_bfloat16* q;
@@ -368,13 +369,26 @@ void launch_chain(const WArgs& a, int cols, cudaStream_t stream) {
   launch<H, TERMS, G, S, 1>(a, stream);
 }
 
+// Key stages of single-token CTAs (decode without drafts): DEEPFUSE_INDEXER_STAGES 4 (default), 5
+// or 6 (more tiles in flight per CTA, more shared memory); read per call (benchmarks).
+int single_stages() {
+  const char* v = std::getenv("DEEPFUSE_INDEXER_STAGES");
+  const int s = v != nullptr ? std::atoi(v) : kStagesSingle;
+  return s == 5 || s == 6 ? s : 4;
+}
+
 template <int H, int TERMS, int S>
 void launch_g(const WArgs& a, int G, int cols, cudaStream_t stream) {
   switch (G) {
     case 4: launch_chain<H, TERMS, 4, S>(a, cols, stream); break;
     case 3: launch_chain<H, TERMS, 3, S>(a, cols, stream); break;
     case 2: launch_chain<H, TERMS, 2, S>(a, cols, stream); break;
-    default: launch<H, TERMS, 1, S, 1>(a, stream); break;
+    default:
+      switch (single_stages()) {
+        case 6: launch<H, TERMS, 1, 6, 1>(a, stream); break;
+        case 5: launch<H, TERMS, 1, 5, 1>(a, stream); break;
+        default: launch<H, TERMS, 1, S, 1>(a, stream); break;
+      }
   }
 }
 

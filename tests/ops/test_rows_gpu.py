@@ -376,6 +376,32 @@ def test_indexer_chain_same_bits(H, q_fp8, monkeypatch):
             assert torch.equal(outs[0], o), f"next_n {n}, {cols} columns: {(outs[0] != o).sum().item()} values differ"
 
 
+@pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
+def test_indexer_stages_same_bits(H, q_fp8, monkeypatch):
+    """Single-token CTAs with 4, 5 or 6 key stages (DEEPFUSE_INDEXER_STAGES) give the same bits
+    (only the copies run further ahead); page-crossing and random entries, ragged n_vis."""
+    g = _g(3 * H + q_fp8)
+    C, ps = 1500, 64
+    B = 6
+    pages = _idx_pages(B * C + B * ps + 5 * B, ps, g)
+    req = torch.arange(B, device=DEV)
+    nv = torch.tensor([C, 0, 1, 63, 65, 1400], dtype=torch.int32, device=DEV)
+    q = _randn(B, H, 128, g=g)
+    w = torch.randn(B, H, generator=g, device=DEV)
+    for order in ("offset", "random"):
+        entry = _entries(pages, ps, B, C, g, order)
+        outs = []
+        for stages in ("4", "5", "6"):
+            monkeypatch.setenv("DEEPFUSE_INDEXER_STAGES", stages)
+            outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
+        ref = indexer_logits_paged_ref(q, w, pages, ps, entry, req, nv, 0.09, q_fp8)
+        absref = _indexer_absref(q, w, pages, ps, entry, req, 0.09)
+        vis = torch.arange(C, device=DEV)[None, :] < nv[:, None]
+        assert ((outs[0] - ref).abs()[vis] <= 2.0 ** -9 * absref[vis] + 1e-6 * ref[vis].abs().max()).all()
+        for o, stages in zip(outs[1:], ("5", "6")):
+            assert torch.equal(outs[0], o), f"{order}, {stages} stages: {(outs[0] != o).sum().item()} values differ"
+
+
 def test_indexer_q_scale_edges():
     """q rows of zeros, tiny, huge and mixed magnitudes (the per-head power-of-two scale and the
     second term): against the reference, both modes."""
