@@ -51,7 +51,9 @@ namespace {
 
 constexpr int kBT = 16;             // tokens per task (the plan's rows per task at decode)
 constexpr int kConsumers = 256;     // two warpgroups
-constexpr int kThreads = kConsumers + 32;
+// threads per CTA: fp8 a producer warp; mxfp4 a producer warpgroup (one working warp) so that
+// setmaxnreg can move registers to the consumers (wgmma kernels allocate per warpgroup)
+constexpr int threads_of(bool mx) { return kConsumers + (mx ? 128 : 32); }
 constexpr int kStage = 16384;       // 128 rows x 128 bytes
 constexpr int kMaxStages = 16;
 constexpr int kBarAll = 1;          // named barriers: both consumer warpgroups; 2 + w: warpgroup w
@@ -229,7 +231,7 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
 }
 
 template <bool MX, bool SWIGLU, typename AT>
-__global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, const __grid_constant__ Maps maps) {
+__global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Args a, const __grid_constant__ Maps maps) {
 #if DEEPFUSE_SM90A_DEVICE
   constexpr int R = kBT / 2;
   extern __shared__ char smem_raw[];
@@ -274,6 +276,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
   auto rot_of = [&](int e, int t, int n) { return (t * 5 + e * 11) % n; };
 
   if (tid >= kConsumers) {  // producer warp
+    if (MX) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+      if (tid >= kConsumers + 32) return;
+    }
     const int lane = tid & 31;
     int i = 0;
     for (int64_t j = j0; j < j1; ++j) {
@@ -333,6 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
   }
 
   // consumers
+  if (MX) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = tid >> 7, wt = tid & 127, wq = wt >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int rg = wq * 16 + g;  // this thread's rows rg, rg + 8 of its warpgroup's 64
   char* sX = base + L.x;
@@ -407,15 +414,20 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
         const int Ra = wg * 64 + rg;
         const char* sca = base + L.sc + slot * 128 * L.ss + Ra * L.ss;
         const char* scb = sca + 8 * L.ss;
-        // Stage u: chunks 2 ku (p0) and 2 ku + 1 (p1; with K / 128 odd, the last stage's second
+        // Stage u: chunks 2 ku (q0) and 2 ku + 1 (q1; with K / 128 odd, the last stage's second
         // chunk is TMA's zero fill against token chunk 0 and is not promoted). The previous
-        // stage's p1 (waited) is promoted while this stage's first four wgmmas run. Each stage
-        // ends with wait 0: a wgmma in flight across the loop's back edge makes ptxas serialise
-        // them, and a second register set for it spills (168 registers at 288 threads).
-        float p0[4][R], p1[4][R];
-        int kc1 = KB;  // the chunk held in p1 (KB: none)
-        uint32_t s1a = 0, s1b = 0;
-        for (int u = 0; u < n; ++u) {
+        // stage's two chunks (p0, p1, waited) are promoted while this stage's eight wgmmas run;
+        // every stage ends with wait 0 (a wgmma in flight across the loop's back edge makes
+        // ptxas serialise them), so two register sets alternate: the loop is unrolled by two.
+        float A0[4][R], A1[4][R], B0[4][R], B1[4][R];
+        int kcp = 0;
+        uint32_t spa0 = 0, spb0 = 0, spa1 = 0, spb1 = 0;
+        auto promote_prev = [&](float (&p0)[4][R], float (&p1)[4][R]) {
+          mx_promote(acc, p0, spa0, spb0, sXS, kcp, t4);
+          if (kcp + 1 < KB) mx_promote(acc, p1, spa1, spb1, sXS, kcp + 1, t4);
+        };
+        auto stage = [&](int u, float (&q0)[4][R], float (&q1)[4][R], float (&p0)[4][R], float (&p1)[4][R],
+                         bool first) {
           const int st = i % S, ku = (u + rot) % n;
           const char* ra = base + L.ring + st * kStage + Ra * 128 + 4 * t4;
           tma::mbar_wait(tma::smem_u32(full + st), (i / S) & 1);
@@ -430,18 +442,28 @@ __global__ void __launch_bounds__(kThreads, 1) moe_stream_kernel(const Args a, c
           ++i;
           const int kc = 2 * ku;
           const bool two = kc + 1 < KB;
-          mx_chunk_mma(p0, wa, wb, 0, tma::smem_u32(sX + kc * kBT * 128));
-          if (kc1 < KB) mx_promote(acc, p1, s1a, s1b, sXS, kc1, t4);
-          const uint32_t s0a = *reinterpret_cast<const uint32_t*>(sca + 8 * ku);
-          const uint32_t s0b = *reinterpret_cast<const uint32_t*>(scb + 8 * ku);
-          kc1 = two ? kc + 1 : KB;
-          s1a = two ? *reinterpret_cast<const uint32_t*>(sca + 8 * ku + 4) : 0u;
-          s1b = two ? *reinterpret_cast<const uint32_t*>(scb + 8 * ku + 4) : 0u;
-          mx_chunk_mma(p1, wa, wb, 1, tma::smem_u32(sX + (two ? kc + 1 : 0) * kBT * 128));
+          mx_chunk_mma(q0, wa, wb, 0, tma::smem_u32(sX + kc * kBT * 128));
+          mx_chunk_mma(q1, wa, wb, 1, tma::smem_u32(sX + (two ? kc + 1 : 0) * kBT * 128));
+          if (!first) promote_prev(p0, p1);
+          kcp = kc;
+          spa0 = *reinterpret_cast<const uint32_t*>(sca + 8 * ku);
+          spb0 = *reinterpret_cast<const uint32_t*>(scb + 8 * ku);
+          spa1 = two ? *reinterpret_cast<const uint32_t*>(sca + 8 * ku + 4) : 0u;
+          spb1 = two ? *reinterpret_cast<const uint32_t*>(scb + 8 * ku + 4) : 0u;
           gemm::wgmma_wait0();
-          mx_promote(acc, p0, s0a, s0b, sXS, kc, t4);
+        };
+        stage(0, A0, A1, B0, B1, true);
+        int u = 1;
+        for (; u + 1 < n; u += 2) {
+          stage(u, B0, B1, A0, A1, false);
+          stage(u + 1, A0, A1, B0, B1, false);
         }
-        if (kc1 < KB) mx_promote(acc, p1, s1a, s1b, sXS, kc1, t4);
+        if (u < n) {
+          stage(u, B0, B1, A0, A1, false);
+          promote_prev(B0, B1);
+        } else {
+          promote_prev(A0, A1);
+        }
       }
       __syncwarp();
       if (lane == 0) tma::mbar_arrive(tma::smem_u32(sempty + slot));
@@ -506,7 +528,7 @@ void launch(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
   const bool no_pdl = std::getenv("DEEPFUSE_MOE_NO_PDL") != nullptr;  // to compare the launches
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(grid, 1, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.blockDim = dim3(threads_of(MX), 1, 1);
   cfg.dynamicSmemBytes = layout(MX, a.K, a.stages).total;
   cfg.stream = stream;
   cudaLaunchAttribute at[1];
