@@ -178,9 +178,10 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
 // One 128-K chunk of packed e2m1 (words w[4 c..4 c + 3]: this thread's word of each 32-group of
-// row g (wa) and row g + 8 (wb)) -> four register fragments -> four k32 wgmmas into p[0..3].
+// row g (wa) and row g + 8 (wb)) -> four register fragments -> four k32 wgmmas into p[0..3];
+// dx: the token chunk's shared-memory descriptor (its 32-byte k steps add 2).
 __device__ __forceinline__ void mx_chunk_mma(float (&p)[4][kBT / 2], const uint32_t (&wa)[8], const uint32_t (&wb)[8],
-                                             int c, uint32_t xa) {
+                                             int c, uint64_t dx) {
   uint32_t f[4][4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -192,7 +193,7 @@ __device__ __forceinline__ void mx_chunk_mma(float (&p)[4][kBT / 2], const uint3
   }
   gemm::wgmma_fence();
 #pragma unroll
-  for (int k = 0; k < 4; ++k) wgmma_rs_m64n16k32(p[k], f[k], gemm::smem_desc(xa + k * 32));
+  for (int k = 0; k < 4; ++k) wgmma_rs_m64n16k32(p[k], f[k], dx + 2 * k);
   gemm::wgmma_commit();
 }
 
@@ -290,23 +291,20 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
         const int jj = static_cast<int>(j - j0), slot = jj & 1;
         if (jj >= 2) tma::mbar_wait(tma::smem_u32(sempty + slot), ((jj >> 1) - 1) & 1);
         if (!f8) {
-          const int KWB = a.K / 32, U = a.sc16 ? 16 : 4, per = KWB / U;
+          const int KWB = a.K / 32;  // bytes per row; each lane copies rows lane, lane + 32, ..
           char* dst0 = base + L.sc + slot * 128 * L.ss;
-          for (int q = lane; q < 128 * per; q += 32) {
-            const int R = q / per, c = q - R * per;
-            int n;
-            const uint8_t* sp;
-            if (SWIGLU) {
-              n = t * 64 + (R >> 6) * 32 + (R & 31);
-              sp = static_cast<const uint8_t*>((R & 32) ? a.scale1 : a.scale0);
-            } else {
-              n = t * 128 + R;
-              sp = static_cast<const uint8_t*>(a.scale0);
-            }
+#pragma unroll 1
+          for (int R = lane; R < 128; R += 32) {
+            const int n = SWIGLU ? t * 64 + (R >> 6) * 32 + (R & 31) : t * 128 + R;
+            const uint8_t* sp = static_cast<const uint8_t*>(SWIGLU && (R & 32) ? a.scale1 : a.scale0);
             const bool ok = n < a.N;
-            const uint8_t* src = sp + (ok ? (static_cast<int64_t>(e) * a.N + n) * KWB + c * U : 0);
-            if (U == 16) gemm::cp_async16(dst0 + R * L.ss + c * 16, src, ok);
-            else gemm::cp_async4(dst0 + R * L.ss + c * 4, src, ok);
+            const uint8_t* src = sp + (ok ? (static_cast<int64_t>(e) * a.N + n) * KWB : 0);
+            char* dst = dst0 + R * L.ss;
+            if (a.sc16) {
+              for (int c = 0; c < KWB; c += 16) gemm::cp_async16(dst + c, src + c, ok);
+            } else {
+              for (int c = 0; c < KWB; c += 4) gemm::cp_async4(dst + c, src + c, ok);
+            }
           }
         }
         cp_async_mbar_arrive(tma::smem_u32(sfull + slot));
@@ -426,11 +424,11 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
           mx_promote(acc, p0, spa0, spb0, sXS, kcp, t4);
           if (kcp + 1 < KB) mx_promote(acc, p1, spa1, spb1, sXS, kcp + 1, t4);
         };
-        auto stage = [&](int u, float (&q0)[4][R], float (&q1)[4][R], float (&p0)[4][R], float (&p1)[4][R],
-                         bool first) {
-          const int st = i % S, ku = (u + rot) % n;
+        int st = i % S, ph = (i / S) & 1, ku = rot;  // ring slot, its phase, the stage's chunk pair
+        const uint64_t dx0 = gemm::smem_desc(tma::smem_u32(sX));  // token chunk kc: + kc * kBT * 128 / 16
+        auto stage = [&](float (&q0)[4][R], float (&q1)[4][R], float (&p0)[4][R], float (&p1)[4][R], bool first) {
           const char* ra = base + L.ring + st * kStage + Ra * 128 + 4 * t4;
-          tma::mbar_wait(tma::smem_u32(full + st), (i / S) & 1);
+          tma::mbar_wait(tma::smem_u32(full + st), ph);
           uint32_t wa[8], wb[8];
 #pragma unroll
           for (int G = 0; G < 8; ++G) {  // 128-byte swizzle: group G of row r at 16-byte unit G ^ (r & 7)
@@ -440,26 +438,28 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
           __syncwarp();
           if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
           ++i;
+          if (++st == S) st = 0, ph ^= 1;
           const int kc = 2 * ku;
           const bool two = kc + 1 < KB;
-          mx_chunk_mma(q0, wa, wb, 0, tma::smem_u32(sX + kc * kBT * 128));
-          mx_chunk_mma(q1, wa, wb, 1, tma::smem_u32(sX + (two ? kc + 1 : 0) * kBT * 128));
+          mx_chunk_mma(q0, wa, wb, 0, dx0 + kc * (kBT * 128 / 16));
+          mx_chunk_mma(q1, wa, wb, 1, dx0 + (two ? kc + 1 : 0) * (kBT * 128 / 16));
           if (!first) promote_prev(p0, p1);
           kcp = kc;
           spa0 = *reinterpret_cast<const uint32_t*>(sca + 8 * ku);
           spb0 = *reinterpret_cast<const uint32_t*>(scb + 8 * ku);
           spa1 = two ? *reinterpret_cast<const uint32_t*>(sca + 8 * ku + 4) : 0u;
           spb1 = two ? *reinterpret_cast<const uint32_t*>(scb + 8 * ku + 4) : 0u;
+          if (++ku == n) ku = 0;
           gemm::wgmma_wait0();
         };
-        stage(0, A0, A1, B0, B1, true);
+        stage(A0, A1, B0, B1, true);
         int u = 1;
         for (; u + 1 < n; u += 2) {
-          stage(u, B0, B1, A0, A1, false);
-          stage(u + 1, A0, A1, B0, B1, false);
+          stage(B0, B1, A0, A1, false);
+          stage(A0, A1, B0, B1, false);
         }
         if (u < n) {
-          stage(u, B0, B1, A0, A1, false);
+          stage(B0, B1, A0, A1, false);
           promote_prev(B0, B1);
         } else {
           promote_prev(A0, A1);
