@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   const int bps = (nblk + P.splits - 1) / P.splits;
   const int b_begin = min(nblk, static_cast<int>(blockIdx.y) * bps);
   const int nb = min(nblk, b_begin + bps) - b_begin;
-  const int wg = tid >> 7;
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform for the compiler: descriptors in uniform registers
 
   if (wg == 0) {
     // ---------------------------------------------------------------- producer
@@ -407,12 +407,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   float sc[32];
 #pragma unroll
   for (int j = 0; j < 32; ++j) sc[j] = 0.f;
+  // (Descriptors advance by adding the byte offset / 16 to the address field: every tile
+  // address + offset stays below 2^18.)
+  const uint64_t dq0 = desc_k(sb + kQOff + 4 * w * kSub);
   auto issue_qk = [&](int i) {
-    const uint32_t kt = sb + kKOff + (i & 1) * kTile;
+    const uint64_t dk0 = desc_k(sb + kKOff + (i & 1) * kTile + 4 * w * kSub);
 #pragma unroll
     for (int ks = 0; ks < 16; ++ks) {
-      const uint32_t off = (4 * w + (ks >> 2)) * kSub + (ks & 3) * 32;
-      wgmma_ss_m64n64k16(sc, desc_k(sb + kQOff + off), desc_k(kt + off), ks > 0 ? 1 : 0);
+      const uint32_t off = ((ks >> 2) * kSub + (ks & 3) * 32) >> 4;
+      wgmma_ss_m64n64k16(sc, dq0 + off, dk0 + off, ks > 0 ? 1 : 0);
     }
   };
   // Block i's tile is complete when this CTA's producer arrived (and, C = 2, the peer's bytes landed).
@@ -490,10 +493,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     }
     // O_w += P V[:, 256 w ..]
     wg_fence();
+    const uint64_t dv0 = desc_mn(kt + 4 * w * kSub);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma_rs_m64n256k16_tb(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3],
-                             desc_mn(kt + 4 * w * kSub + kk * 2048), 1);
+      wgmma_rs_m64n256k16_tb(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], dv0 + kk * (2048 >> 4), 1);
     if (i + 1 < nb) {
       wait_full(i + 1);
       issue_qk(i + 1);
