@@ -334,15 +334,19 @@ def _prefill_tokens(lens, C):
     return req, nv.to(torch.int32)
 
 
-@pytest.mark.parametrize("chain", ["0", "128", "256"])
+@pytest.mark.parametrize("chain,group,tiles", [("0", "4", "32"), ("128", "4", "32"), ("256", "4", "32"),
+                                               ("256", "2", "8")])
 @pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
 @pytest.mark.parametrize("lens,C", [([301], 1500), ([150, 77, 200, 9], 700), ([64], 4100)])
-def test_indexer_logits_paged_prefill(lens, C, H, q_fp8, chain, monkeypatch):
-    """Prefill launches (>= 8 tokens per request, groups of 4) with each wgmma chain width
-    (DEEPFUSE_INDEXER_CHAIN_PREFILL: up to 128 / 256 columns, i.e. 1-4 tokens per chain): one
-    request or chunks of several (groups spanning requests, a short last group), causal n_vis; the
-    bound, poisoned out and bits against one token per CTA."""
+def test_indexer_logits_paged_prefill(lens, C, H, q_fp8, chain, group, tiles, monkeypatch):
+    """Prefill launches (>= 8 tokens per request) with each wgmma chain width
+    (DEEPFUSE_INDEXER_CHAIN_PREFILL: up to 128 / 256 columns, i.e. 1-4 tokens per chain), groups of
+    4 or 2 tokens (DEEPFUSE_INDEXER_PREFILL_G), 32 or 8 tiles per CTA at most: one request or chunks
+    of several (groups spanning requests, a short last group), causal n_vis; the bound, poisoned
+    out and bits against one token per CTA."""
     monkeypatch.setenv("DEEPFUSE_INDEXER_CHAIN_PREFILL", chain)
+    monkeypatch.setenv("DEEPFUSE_INDEXER_PREFILL_G", group)
+    monkeypatch.setenv("DEEPFUSE_INDEXER_MAX_TILES", tiles)
     g = _g(sum(lens) + C + H)
     req, nv = _prefill_tokens(lens, C)
     _check_indexer(req, nv, len(lens), C, g, H=H, q_fp8=q_fp8, order="paged")
