@@ -8,8 +8,8 @@ rounded to bf16); the reference does not. So each case is checked twice, every e
   about 2^-4 / sqrt(3) per element, twice).
 Routings: random top-k, all tokens on one expert, empty experts, ids -1 / >= E, the shared
 expert; T from 1 to 16384 with odd T; both weight formats; outputs poisoned with NaN first.
-Paths: the decode kernels (T <= 256), the fp8 prefill kernels (T >= 257: the `prefill` fixture and
-the `path` fixture's default setting), the grouped kernels (`path` = "grouped").
+Paths: the decode kernels (T <= 256), the prefill kernels (T >= 257: the `prefill` fixture and the `path`
+fixture's default setting; mxfp4 ones: tests/ops/test_moe_prefill_gpu.py), the grouped kernels (`path` = "grouped").
 """
 import functools
 
@@ -106,8 +106,8 @@ def routing(T, E, k, kind, g):
 @pytest.fixture(params=["stream", "grouped"])
 def path(request, monkeypatch):
     """moe_experts' default paths ("stream": T <= 256 the streaming kernels (moe_stream.cu), fp8
-    from T = 257 the prefill kernels (moe_prefill.cu), mxfp4 there the grouped kernels) or the
-    grouped kernels at every T ("grouped")."""
+    from T = 257 the prefill kernels (moe_prefill.cu), mxfp4 too while ops.moe.PREFILL_MXFP4_MIN_T is on) or
+    the grouped kernels at every T ("grouped": PREFILL_MIN_T = 0 turns both formats' prefill kernels off)."""
     monkeypatch.setattr(M, "STREAM_MAX_T", 256 if request.param == "stream" else 0)
     monkeypatch.setattr(M, "STREAM_MIN_T", {})
     monkeypatch.setattr(M, "PREFILL_MIN_T", 257 if request.param == "stream" else 0)
