@@ -34,6 +34,7 @@ constexpr int kTileBytes = kTile * kRow;
 constexpr int kStages = 4;   // key tiles per CTA: 3 in flight while one is computed
 constexpr int kChainDecode = 256, kChainPrefill = 256;  // chain_cols() without its environment variables
 constexpr int kStagesSingle = 4;  // single_stages() without DEEPFUSE_INDEXER_STAGES
+constexpr int kRowGather = 1;      // DEEPFUSE_INDEXER_GATHER's default
 
 struct WArgs {
   const __nv_bfloat16* q;
@@ -50,6 +51,7 @@ struct WArgs {
   float* out;
   int64_t N;
   int tiles_per_cta;
+  int row_gather;  // the gather's row mapping (rows_pass); DEEPFUSE_INDEXER_GATHER
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -133,36 +135,51 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   const float* ksc = reinterpret_cast<const float*>(sm + L::kScale);
   float* wq = reinterpret_cast<float*>(sm + L::kW);
 
-  // Gather: thread tid copies chunk (tid & 7) of rows (tid >> 3) + 16 k, k < 4, and the scale of
-  // those rows (chunk-0 threads). Slot indices come one tile ahead, in registers.
+  // Gather, slot indices one tile ahead in registers. Row mapping (a.row_gather): thread tid copies
+  // chunks 4 (tid & 1) .. + 3 of row tid >> 1 and (even threads) its scale: one slot and one page
+  // address per thread. Else thread tid copies chunk (tid & 7) of rows (tid >> 3) + 16 k, k < 4,
+  // and (chunk-0 threads) their scales. Both fill the same bytes.
+  const bool rg = a.row_gather;
   const int ch = tid & 7, row0 = tid >> 3;
   auto fetch_slots = [&](int64_t (&s)[4], int e0) {
+    if (rg) {
+      const int e = e0 + (tid >> 1);
+      s[0] = e < live_end ? __ldg(srow + e) : -1;
+      return;
+    }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int e = e0 + row0 + 16 * k;
       s[k] = e < live_end ? __ldg(srow + e) : -1;
     }
   };
-  auto load_tile = [&](int stage, const int64_t (&s)[4]) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int row = row0 + 16 * k;
-      const int64_t slot = s[k];
-      int64_t page, prow;
-      if (a.page_shift >= 0) {
-        page = slot >> a.page_shift;
-        prow = slot & ((int64_t(1) << a.page_shift) - 1);
-      } else {
-        page = slot / a.page_size;
-        prow = slot - page * a.page_size;
-      }
-      const bool ok = slot >= 0 && page < a.num_pages;
-      const uint8_t* pbase = a.pages + (ok ? page * a.page_bytes : 0);
-      cp_async16(keys_u32 + stage * kTileBytes + swz(row, ch), ok ? pbase + prow * kRow + ch * 16 : a.pages, ok);
-      if (ch == 0)
-        cp_async4(ks_u32 + (stage * kTile + row) * 4, ok ? pbase + int64_t(a.page_size) * kRow + prow * 4 : a.pages,
-                  ok);
+  // Row `row` of a stage from slot `slot`: chunks [c0, c0 + nc) and, with `scale`, its scale.
+  auto copy_row = [&](int stage, int row, int64_t slot, int c0, int nc, bool scale) {
+    int64_t page, prow;
+    if (a.page_shift >= 0) {
+      page = slot >> a.page_shift;
+      prow = slot & ((int64_t(1) << a.page_shift) - 1);
+    } else {
+      page = slot / a.page_size;
+      prow = slot - page * a.page_size;
     }
+    const bool ok = slot >= 0 && page < a.num_pages;
+    const uint8_t* pbase = a.pages + (ok ? page * a.page_bytes : 0);
+    const uint8_t* src = ok ? pbase + prow * kRow : a.pages;
+#pragma unroll
+    for (int i = 0; i < nc; ++i)
+      cp_async16(keys_u32 + stage * kTileBytes + swz(row, c0 + i), ok ? src + (c0 + i) * 16 : a.pages, ok);
+    if (scale)
+      cp_async4(ks_u32 + (stage * kTile + row) * 4, ok ? pbase + int64_t(a.page_size) * kRow + prow * 4 : a.pages,
+                ok);
+  };
+  auto load_tile = [&](int stage, const int64_t (&s)[4]) {
+    if (rg) {
+      copy_row(stage, tid >> 1, s[0], 4 * (tid & 1), 4, (tid & 1) == 0);
+      return;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) copy_row(stage, row0 + 16 * k, s[k], ch, 1, ch == 0);
   };
 
   const int ntiles = (live_end - e_begin + kTile - 1) / kTile;
@@ -319,13 +336,15 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
 }
 
 // Benchmark switches, read per call: DEEPFUSE_INDEXER_MAX_TILES (tiles per CTA at most, 8-256;
-// default 32), DEEPFUSE_INDEXER_PREFILL_G (tokens per CTA of prefill launches: 2 or 4; default 4).
+// default 32), DEEPFUSE_INDEXER_PREFILL_G (tokens per CTA of prefill launches: 2 or 4; default 4),
+// DEEPFUSE_INDEXER_GATHER (below).
 int env_int(const char* name, int lo, int hi, int dflt) {
   const char* v = std::getenv(name);
   const int x = v != nullptr ? std::atoi(v) : dflt;
   return x < lo || x > hi ? dflt : x;
 }
 int max_tiles_per_cta() { return env_int("DEEPFUSE_INDEXER_MAX_TILES", 8, 256, 32); }
+// DEEPFUSE_INDEXER_GATHER: 1 the row mapping of the key gather, 0 the chunk mapping (rows_pass).
 int prefill_group() { return env_int("DEEPFUSE_INDEXER_PREFILL_G", 2, 4, 4) >= 4 ? 4 : 2; }
 
 template <int H, int TERMS, int G, int S, int TPJ>
@@ -426,7 +445,8 @@ void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* 
     while ((1 << shift) < page_size) ++shift;
   }
   const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
-                entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, 1};
+                entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, 1,
+                env_int("DEEPFUSE_INDEXER_GATHER", 0, 1, kRowGather)};
   int G = indexer_rows_per_cta(N, num_reqs);
   const bool prefill = G == 4 && N >= 8 * num_reqs;
   if (prefill) G = prefill_group();

@@ -406,6 +406,30 @@ def test_indexer_stages_same_bits(H, q_fp8, monkeypatch):
             assert torch.equal(outs[0], o), f"{order}, {stages} stages: {(outs[0] != o).sum().item()} values differ"
 
 
+@pytest.mark.parametrize("H,q_fp8", [(64, False), (32, True)])
+def test_indexer_gather_mappings_same_bits(H, q_fp8, monkeypatch):
+    """The two thread mappings of the key gather (DEEPFUSE_INDEXER_GATHER 1: a row per two threads,
+    0: a chunk per thread over four rows) fill the same bytes: same scores, decode groups and
+    prefill chunks, page size 48 (the division path) and 64, random and page-crossing entries."""
+    g = _g(7 * H + q_fp8)
+    for ps, order in ((64, "offset"), (48, "random")):
+        C = 900
+        pages = _idx_pages(4 * C + 4 * ps + 20, ps, g)
+        for req, nv in ((torch.arange(4, device=DEV).repeat_interleave(2), None), _prefill_tokens([50, 30], C)):
+            if nv is None:
+                nv = torch.randint(0, C + 1, (req.shape[0],), generator=g, device=DEV).to(torch.int32)
+            B = int(req.max()) + 1
+            entry = _entries(pages, ps, B, C, g, order)
+            entry[:, 7] = -1
+            q = _randn(req.shape[0], H, 128, g=g)
+            w = torch.randn(req.shape[0], H, generator=g, device=DEV)
+            outs = []
+            for mapping in ("0", "1"):
+                monkeypatch.setenv("DEEPFUSE_INDEXER_GATHER", mapping)
+                outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
+            assert torch.equal(outs[0], outs[1]), f"ps {ps}: {(outs[0] != outs[1]).sum().item()} values differ"
+
+
 def test_indexer_q_scale_edges():
     """q rows of zeros, tiny, huge and mixed magnitudes (the per-head power-of-two scale and the
     second term): against the reference, both modes."""
