@@ -9,6 +9,9 @@
 
 namespace deepfuse {
 
+// The split softmax of the consumer warpgroups (sparse_decode_sm90.cuh, kSplit).
+constexpr bool kSparseDecodeSplit = true;
+
 bool sparse_decode_covers(const AttnParams& p) {
   if (p.G != 1 || (p.H != 64 && p.H != 128)) return false;
   for (int si = 0; si < 2; ++si)
@@ -27,7 +30,8 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev >= 64 || !attr_done[dev]) {
-    for (const void* f : {(const void*)attn_wg::sparse_decode_kernel<1>, (const void*)attn_wg::sparse_decode_kernel<2>})
+    for (const void* f : {(const void*)attn_wg::sparse_decode_kernel<1, false>, (const void*)attn_wg::sparse_decode_kernel<2, false>,
+                          (const void*)attn_wg::sparse_decode_kernel<1, true>, (const void*)attn_wg::sparse_decode_kernel<2, true>})
       check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, attn_wg::kSmemBytes),
                  "sparse_attention (wgmma): smem attribute");
     if (dev < 64) attr_done[dev] = true;
@@ -36,9 +40,16 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   // (off by default: no faster than two independent CTAs on the H200, docs/notes/attention.md).
   const char* ce = std::getenv("DEEPFUSE_SPARSE_DECODE_CLUSTER");
   const bool cl = p.H == 128 && ce != nullptr && std::strcmp(ce, "1") == 0;
+  // The split softmax (each consumer warpgroup finishes half of the keys): on by default
+  // (kSparseDecodeSplit); DEEPFUSE_SPARSE_DECODE_SPLIT=0 / 1 overrides.
+  const char* se = std::getenv("DEEPFUSE_SPARSE_DECODE_SPLIT");
+  const bool split = (se == nullptr || se[0] == '\0') ? kSparseDecodeSplit : std::strcmp(se, "0") != 0;
   const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.T) * (p.H / 64)), static_cast<unsigned>(p.splits), 1);
   if (!cl) {
-    attn_wg::sparse_decode_kernel<1><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
+    if (split)
+      attn_wg::sparse_decode_kernel<1, true><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
+    else
+      attn_wg::sparse_decode_kernel<1, false><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
   } else {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = grid;
@@ -52,7 +63,9 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    check_cuda(cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2>, p), "sparse_attention (wgmma): cluster launch");
+    check_cuda(split ? cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, true>, p)
+                     : cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, false>, p),
+               "sparse_attention (wgmma): cluster launch");
   }
   check_launch("sparse_attention (wgmma)");
 }

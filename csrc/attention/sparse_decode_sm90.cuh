@@ -192,7 +192,7 @@ __device__ __forceinline__ void wgmma_rs_m64n256k16_tb(float (&d)[128], uint32_t
 }
 
 
-template <int C>
+template <int C, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid_constant__ AttnParams P) {
 #if DEEPFUSE_SM90A_DEVICE
   static_assert(C == 1 || C == 2, "cluster size");
@@ -444,59 +444,148 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   for (int i = 0; i < nb; ++i) {
     const int s = i & 1;
     const uint32_t kt = sb + kKOff + s * kTile;
-    // Exchange the partial logits (the first barrier: the other warpgroup read the last ones).
-    named_bar(1, 256);
+    uint32_t pa[16];
+    if constexpr (!kSplit) {
+      // Exchange the partial logits (the first barrier: the other warpgroup read the last ones).
+      named_bar(1, 256);
+  #pragma unroll
+      for (int r = 0; r < 8; ++r) xmine[r * 128] = make_float4(sc[4 * r], sc[4 * r + 1], sc[4 * r + 2], sc[4 * r + 3]);
+      named_bar(1, 256);
+      const uint8_t* mk = sm + kMaskOff + s * 64;
+  #pragma unroll
+      for (int r = 0; r < 8; ++r) {  // n8 tile r: keys 8 r + 2 qd + {0, 1}
+        const float4 v = xother[r * 128];
+        const uint32_t m2 = *reinterpret_cast<const uint16_t*>(mk + 8 * r + 2 * qd);
+        const bool v0 = (m2 & 0xffu) != 0, v1 = (m2 >> 8) != 0;
+        sc[4 * r + 0] = v0 ? (sc[4 * r + 0] + v.x) * P.scale_log2 : -INFINITY;
+        sc[4 * r + 1] = v1 ? (sc[4 * r + 1] + v.y) * P.scale_log2 : -INFINITY;
+        sc[4 * r + 2] = v0 ? (sc[4 * r + 2] + v.z) * P.scale_log2 : -INFINITY;
+        sc[4 * r + 3] = v1 ? (sc[4 * r + 3] + v.w) * P.scale_log2 : -INFINITY;
+      }
+      // Online softmax, rows g and g + 8 of warp wi's 16 (lazy rescaling as in the mma.sync kernel).
+      float mx[2] = {-INFINITY, -INFINITY};
+  #pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        mx[0] = fmaxf(mx[0], fmaxf(sc[4 * r], sc[4 * r + 1]));
+        mx[1] = fmaxf(mx[1], fmaxf(sc[4 * r + 2], sc[4 * r + 3]));
+      }
+      bool need = false;
+  #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        need |= mx[h] > m_run[h] + 8.f;
+      }
+      if (__any_sync(0xffffffffu, need)) {
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float mn = fmaxf(m_run[h], mx[h]);
+          const float alpha = mn == -INFINITY ? 1.f : exp2f(m_run[h] - mn);
+          m_run[h] = mn;
+          l_run[h] *= alpha;
+  #pragma unroll
+          for (int j = 0; j < 32; ++j) o[4 * j + 2 * h] *= alpha, o[4 * j + 2 * h + 1] *= alpha;
+        }
+      }
+      const float mu0 = m_run[0] == -INFINITY ? 0.f : m_run[0];
+      const float mu1 = m_run[1] == -INFINITY ? 0.f : m_run[1];
+  #pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const float p0 = ex2(sc[4 * r] - mu0), p1 = ex2(sc[4 * r + 1] - mu0);
+        const float p2 = ex2(sc[4 * r + 2] - mu1), p3 = ex2(sc[4 * r + 3] - mu1);
+        l_run[0] += p0 + p1;
+        l_run[1] += p2 + p3;
+        // k-step r / 2: a0 (row g, keys +0..7) a1 (row g+8) a2 (row g, keys +8..15) a3 (row g+8)
+        pa[4 * (r >> 1) + 2 * (r & 1) + 0] = pack_bf16(p0, p1);
+        pa[4 * (r >> 1) + 2 * (r & 1) + 1] = pack_bf16(p2, p3);
+      }
+
+    } else {
+      // Split softmax: this warpgroup finishes the logits, exponentials and sums of n8 tiles
+      // 4 w .. 4 w + 3 (keys 32 w ..) only. It sends the other warpgroup its partial logits of the
+      // other's tiles (8 KB), the row maxima (2 floats per thread) and its P half (8 words per
+      // thread); a thread's partner in the other warpgroup (same lt) holds the same rows.
+      // Buffer reuse needs no extra barrier: a buffer is rewritten only after the barrier that
+      // follows the partner's read of its previous contents.
+      float mine[16], oth[16];
 #pragma unroll
-    for (int r = 0; r < 8; ++r) xmine[r * 128] = make_float4(sc[4 * r], sc[4 * r + 1], sc[4 * r + 2], sc[4 * r + 3]);
-    named_bar(1, 256);
-    const uint8_t* mk = sm + kMaskOff + s * 64;
+      for (int k = 0; k < 16; ++k) {
+        mine[k] = w ? sc[16 + k] : sc[k];
+        oth[k] = w ? sc[k] : sc[16 + k];
+      }
+      float4* xs = reinterpret_cast<float4*>(sm + kXOff);
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {  // n8 tile r: keys 8 r + 2 qd + {0, 1}
-      const float4 v = xother[r * 128];
-      const uint32_t m2 = *reinterpret_cast<const uint16_t*>(mk + 8 * r + 2 * qd);
-      const bool v0 = (m2 & 0xffu) != 0, v1 = (m2 >> 8) != 0;
-      sc[4 * r + 0] = v0 ? (sc[4 * r + 0] + v.x) * P.scale_log2 : -INFINITY;
-      sc[4 * r + 1] = v1 ? (sc[4 * r + 1] + v.y) * P.scale_log2 : -INFINITY;
-      sc[4 * r + 2] = v0 ? (sc[4 * r + 2] + v.z) * P.scale_log2 : -INFINITY;
-      sc[4 * r + 3] = v1 ? (sc[4 * r + 3] + v.w) * P.scale_log2 : -INFINITY;
-    }
-    // Online softmax, rows g and g + 8 of warp wi's 16 (lazy rescaling as in the mma.sync kernel).
-    float mx[2] = {-INFINITY, -INFINITY};
+      for (int rr = 0; rr < 4; ++rr)
+        xs[(w * 4 + rr) * 128 + lt] = make_float4(oth[4 * rr], oth[4 * rr + 1], oth[4 * rr + 2], oth[4 * rr + 3]);
+      named_bar(1, 256);
+      const uint8_t* mk = sm + kMaskOff + s * 64 + 32 * w;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      mx[0] = fmaxf(mx[0], fmaxf(sc[4 * r], sc[4 * r + 1]));
-      mx[1] = fmaxf(mx[1], fmaxf(sc[4 * r + 2], sc[4 * r + 3]));
-    }
-    bool need = false;
+      for (int rr = 0; rr < 4; ++rr) {  // n8 tile 4 w + rr: keys 32 w + 8 rr + 2 qd + {0, 1}
+        const float4 v = xs[((1 - w) * 4 + rr) * 128 + lt];
+        const uint32_t m2 = *reinterpret_cast<const uint16_t*>(mk + 8 * rr + 2 * qd);
+        const bool v0 = (m2 & 0xffu) != 0, v1 = (m2 >> 8) != 0;
+        mine[4 * rr + 0] = v0 ? (mine[4 * rr + 0] + v.x) * P.scale_log2 : -INFINITY;
+        mine[4 * rr + 1] = v1 ? (mine[4 * rr + 1] + v.y) * P.scale_log2 : -INFINITY;
+        mine[4 * rr + 2] = v0 ? (mine[4 * rr + 2] + v.z) * P.scale_log2 : -INFINITY;
+        mine[4 * rr + 3] = v1 ? (mine[4 * rr + 3] + v.w) * P.scale_log2 : -INFINITY;
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      need |= mx[h] > m_run[h] + 8.f;
-    }
-    if (__any_sync(0xffffffffu, need)) {
+      for (int rr = 0; rr < 4; ++rr) {
+        mx[0] = fmaxf(mx[0], fmaxf(mine[4 * rr], mine[4 * rr + 1]));
+        mx[1] = fmaxf(mx[1], fmaxf(mine[4 * rr + 2], mine[4 * rr + 3]));
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float mn = fmaxf(m_run[h], mx[h]);
-        const float alpha = mn == -INFINITY ? 1.f : exp2f(m_run[h] - mn);
-        m_run[h] = mn;
-        l_run[h] *= alpha;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) o[4 * j + 2 * h] *= alpha, o[4 * j + 2 * h + 1] *= alpha;
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
       }
-    }
-    const float mu0 = m_run[0] == -INFINITY ? 0.f : m_run[0];
-    const float mu1 = m_run[1] == -INFINITY ? 0.f : m_run[1];
-    uint32_t pa[16];
+      float2* xm = reinterpret_cast<float2*>(sm + kXOff + 16384);
+      xm[w * 128 + lt] = make_float2(mx[0], mx[1]);
+      named_bar(1, 256);
+      {
+        const float2 om = xm[(1 - w) * 128 + lt];
+        mx[0] = fmaxf(mx[0], om.x);
+        mx[1] = fmaxf(mx[1], om.y);
+      }
+      // The same maxima in both warpgroups: the same lazy rescaling decisions.
+      bool need = false;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const float p0 = ex2(sc[4 * r] - mu0), p1 = ex2(sc[4 * r + 1] - mu0);
-      const float p2 = ex2(sc[4 * r + 2] - mu1), p3 = ex2(sc[4 * r + 3] - mu1);
-      l_run[0] += p0 + p1;
-      l_run[1] += p2 + p3;
-      // k-step r / 2: a0 (row g, keys +0..7) a1 (row g+8) a2 (row g, keys +8..15) a3 (row g+8)
-      pa[4 * (r >> 1) + 2 * (r & 1) + 0] = pack_bf16(p0, p1);
-      pa[4 * (r >> 1) + 2 * (r & 1) + 1] = pack_bf16(p2, p3);
+      for (int h = 0; h < 2; ++h) need |= mx[h] > m_run[h] + 8.f;
+      if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float mn = fmaxf(m_run[h], mx[h]);
+          const float alpha = mn == -INFINITY ? 1.f : exp2f(m_run[h] - mn);
+          m_run[h] = mn;
+          l_run[h] *= alpha;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) o[4 * j + 2 * h] *= alpha, o[4 * j + 2 * h + 1] *= alpha;
+        }
+      }
+      const float mu0 = m_run[0] == -INFINITY ? 0.f : m_run[0];
+      const float mu1 = m_run[1] == -INFINITY ? 0.f : m_run[1];
+      uint32_t ph[8];
+#pragma unroll
+      for (int rr = 0; rr < 4; ++rr) {
+        const float p0 = ex2(mine[4 * rr] - mu0), p1 = ex2(mine[4 * rr + 1] - mu0);
+        const float p2 = ex2(mine[4 * rr + 2] - mu1), p3 = ex2(mine[4 * rr + 3] - mu1);
+        l_run[0] += p0 + p1;
+        l_run[1] += p2 + p3;
+        ph[4 * (rr >> 1) + 2 * (rr & 1) + 0] = pack_bf16(p0, p1);
+        ph[4 * (rr >> 1) + 2 * (rr & 1) + 1] = pack_bf16(p2, p3);
+      }
+      uint4* xp = reinterpret_cast<uint4*>(sm + kXOff + 16384 + 2048);
+      xp[(w * 128 + lt) * 2] = make_uint4(ph[0], ph[1], ph[2], ph[3]);
+      xp[(w * 128 + lt) * 2 + 1] = make_uint4(ph[4], ph[5], ph[6], ph[7]);
+      named_bar(1, 256);
+      const uint4 q0 = xp[((1 - w) * 128 + lt) * 2], q1 = xp[((1 - w) * 128 + lt) * 2 + 1];
+      const uint32_t po[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {  // k-steps 0, 1 (keys 0..31) then 2, 3
+        pa[k] = w ? po[k] : ph[k];
+        pa[8 + k] = w ? ph[k] : po[k];
+      }
     }
     // O_w += P V[:, 256 w ..]
     wg_fence();
@@ -517,6 +606,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   }
   if (C == 2) cluster_sync_all();  // no CTA leaves while its peer may still address it
 
+  if constexpr (kSplit) {  // each warpgroup summed the weights of its own keys
+    float2* xm = reinterpret_cast<float2*>(sm + kXOff + 16384);
+    named_bar(1, 256);
+    xm[w * 128 + lt] = make_float2(l_run[0], l_run[1]);
+    named_bar(1, 256);
+    const float2 ol = xm[(1 - w) * 128 + lt];
+    l_run[0] += ol.x;
+    l_run[1] += ol.y;
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);

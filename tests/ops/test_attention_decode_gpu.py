@@ -2,7 +2,8 @@
 one query row per CTA group (plan group_rows 1), H 64 / 128, FP8 pages. The kernel is selected by
 DEEPFUSE_SPARSE_DECODE (1: on, 0: the mma.sync kernel); each test sets it. H 128 runs as two
 independent CTAs, or with DEEPFUSE_SPARSE_DECODE_CLUSTER=1 as a cluster of two CTAs sharing the
-dequantised key tiles (test_h128_cluster, and the sanitize case with the cluster).
+dequantised key tiles (test_h128_cluster, and the sanitize case with the cluster). The consumer
+warpgroups split the softmax by keys unless DEEPFUSE_SPARSE_DECODE_SPLIT=0 (test_unsplit_softmax).
 
 Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
 docstring): fresh random caches written by kv_store into NaN-poisoned pages, -1 holes,
@@ -67,6 +68,19 @@ def test_h128_cluster(wg, monkeypatch, case):
     same bounds."""
     monkeypatch.setenv(ENV_CLUSTER, "1")
     _run_case(G=1, **case, seed=len(str(case)) + 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dict(H=64, T=6, K1=128, K2=512),
+    dict(H=128, T=4, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8"),
+    dict(H=64, T=3, K1=128, K2=2048, splits=1, q_scale=4.0),
+])
+def test_unsplit_softmax(wg, monkeypatch, case):
+    """DEEPFUSE_SPARSE_DECODE_SPLIT=0: both consumer warpgroups finish the whole logit tile (the
+    default splits it by keys) and pass the same bounds."""
+    monkeypatch.setenv("DEEPFUSE_SPARSE_DECODE_SPLIT", "0")
+    _run_case(G=1, **case, seed=len(str(case)) + 13)
 
 
 @pytest.mark.gpu
