@@ -335,18 +335,16 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
 #endif
 }
 
-// Switches, read per call: DEEPFUSE_INDEXER_MAX_TILES (tiles per CTA at most, 8-256; default 32
-// for decode, 128 for prefill), DEEPFUSE_INDEXER_PREFILL_G (tokens per CTA of prefill launches: 2
-// or 4; default 4), DEEPFUSE_INDEXER_GATHER (1 the row mapping of the key gather, 0 the chunk
-// mapping: rows_pass).
+// Benchmark switches, read per call: DEEPFUSE_INDEXER_MAX_TILES (tiles per CTA at most, 8-256;
+// default 32), DEEPFUSE_INDEXER_PREFILL_G (tokens per CTA of prefill launches: 2 or 4; default 4),
+// DEEPFUSE_INDEXER_GATHER (below).
 int env_int(const char* name, int lo, int hi, int dflt) {
   const char* v = std::getenv(name);
   const int x = v != nullptr ? std::atoi(v) : dflt;
   return x < lo || x > hi ? dflt : x;
 }
-// Tiles per CTA at most: 32 (decode: ragged lengths, CTAs of a long request must not finish alone),
-// 128 for prefill launches (one request's keys for many groups; fewer q quantisations and fills).
-int max_tiles_per_cta(bool prefill) { return env_int("DEEPFUSE_INDEXER_MAX_TILES", 8, 256, prefill ? 128 : 32); }
+int max_tiles_per_cta() { return env_int("DEEPFUSE_INDEXER_MAX_TILES", 8, 256, 32); }
+// DEEPFUSE_INDEXER_GATHER: 1 the row mapping of the key gather, 0 the chunk mapping (rows_pass).
 int prefill_group() { return env_int("DEEPFUSE_INDEXER_PREFILL_G", 2, 4, 4) >= 4 ? 4 : 2; }
 
 template <int H, int TERMS, int G, int S, int TPJ>
@@ -369,11 +367,11 @@ void launch(const WArgs& a, cudaStream_t stream) {
   }
   const int64_t groups = ceil_div<int64_t>(a.N, G);
   const int64_t tiles = ceil_div<int64_t>(a.C, kTile);
-  // about four waves of resident CTAs (a short last wave costs little), at most a.tiles_per_cta
-  // tiles per CTA (max_tiles_per_cta; its q quantisation and pipeline fill are paid once per CTA)
+  // about four waves of resident CTAs (a short last wave costs little), at most 32 tiles per CTA
+  // (max_tiles_per_cta; its q quantisation and pipeline fill are paid once per CTA)
   const int64_t target = int64_t(num_sms()) * resident * 4;
   int per = static_cast<int>(ceil_div<int64_t>(groups * tiles, target));
-  const int cap = a.tiles_per_cta;  // the launcher's max_tiles_per_cta()
+  const int cap = max_tiles_per_cta();
   per = per < 1 ? 1 : per > cap ? cap : per;
   const int64_t splits = ceil_div<int64_t>(tiles, per);
   WArgs b = a;
@@ -446,13 +444,12 @@ void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* 
     shift = 0;
     while ((1 << shift) < page_size) ++shift;
   }
-  WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
-                entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, 32,
+  const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
+                entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, 1,
                 env_int("DEEPFUSE_INDEXER_GATHER", 0, 1, kRowGather)};
   int G = indexer_rows_per_cta(N, num_reqs);
   const bool prefill = G == 4 && N >= 8 * num_reqs;
   if (prefill) G = prefill_group();
-  a.tiles_per_cta = max_tiles_per_cta(prefill);  // launch() turns the cap into the CTA's tile count
   const int cols = G > 1 ? chain_cols(prefill) : 0;
   if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, G, cols, stream);
   else if (H == 64 && q_terms == 1) launch_g<64, 1, kStages>(a, G, cols, stream);
