@@ -50,8 +50,8 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 # moe_experts on CUDA: T up to this (<= 256) runs the streaming decode kernels
 # (csrc/moe/moe_stream.cu; 0: the grouped kernels at every T; tests and benchmarks compare them).
-# H200: 1.07-1.09x the grouped kernels for fp8 at T 8-64, 1.13-1.48x for mxfp4 (docs/notes/moe.md,
-# "The decode path").
+# H200: 1.07-1.12x the grouped kernels for fp8 at T 8-256, 1.47-2.75x for mxfp4 (docs/notes/moe.md,
+# "The decode path", "MXFP4 experts at decode").
 STREAM_MAX_T = 256
 # ... and from this T on per weight format (fp8 at T = 1: the grouped kernels measured faster, H200)
 STREAM_MIN_T = {"fp8": 2, "mxfp4": 1}
