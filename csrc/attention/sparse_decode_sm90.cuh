@@ -95,6 +95,51 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+// Softmax steps on one n8 tile of a thread's logits s[0..3] (rows g, g + 8; keys 2 qd + {0, 1}),
+// shared by the full-tile and the split softmax.
+// The other warpgroup's partial logits v added, masked keys (mask bytes m[0], m[1]) to -inf, the
+// rest scaled to log2 units.
+__device__ __forceinline__ void finish_logits(float* s, const float4 v, const uint8_t* m, float scale) {
+  const uint32_t m2 = *reinterpret_cast<const uint16_t*>(m);
+  const bool v0 = (m2 & 0xffu) != 0, v1 = (m2 >> 8) != 0;
+  s[0] = v0 ? (s[0] + v.x) * scale : -INFINITY;
+  s[1] = v1 ? (s[1] + v.y) * scale : -INFINITY;
+  s[2] = v0 ? (s[2] + v.z) * scale : -INFINITY;
+  s[3] = v1 ? (s[3] + v.w) * scale : -INFINITY;
+}
+__device__ __forceinline__ void tile_max(float (&mx)[2], const float* s) {
+  mx[0] = fmaxf(mx[0], fmaxf(s[0], s[1]));
+  mx[1] = fmaxf(mx[1], fmaxf(s[2], s[3]));
+}
+// Row sums l += the tile's weights 2^(s - mu); the weights packed as bf16 pairs (row g, row g + 8).
+__device__ __forceinline__ void exp_pack(const float* s, float mu0, float mu1, float (&l)[2], uint32_t& a,
+                                         uint32_t& b) {
+  const float p0 = ex2(s[0] - mu0), p1 = ex2(s[1] - mu0);
+  const float p2 = ex2(s[2] - mu1), p3 = ex2(s[3] - mu1);
+  l[0] += p0 + p1;
+  l[1] += p2 + p3;
+  a = pack_bf16(p0, p1);
+  b = pack_bf16(p2, p3);
+}
+// Lazy online-softmax rescaling (as in the mma.sync kernel): only when a row maximum grew by more
+// than 2^8 somewhere in the warp are m_run, l_run and the output accumulators moved to it.
+__device__ __forceinline__ void rescale_lazy(const float (&mx)[2], float (&m_run)[2], float (&l_run)[2],
+                                             float (&o)[128]) {
+  bool need = false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) need |= mx[h] > m_run[h] + 8.f;
+  if (__any_sync(0xffffffffu, need)) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float mn = fmaxf(m_run[h], mx[h]);
+      const float alpha = mn == -INFINITY ? 1.f : exp2f(m_run[h] - mn);
+      m_run[h] = mn;
+      l_run[h] *= alpha;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) o[4 * j + 2 * h] *= alpha, o[4 * j + 2 * h + 1] *= alpha;
+    }
+  }
+}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -453,52 +498,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       named_bar(1, 256);
       const uint8_t* mk = sm + kMaskOff + s * 64;
   #pragma unroll
-      for (int r = 0; r < 8; ++r) {  // n8 tile r: keys 8 r + 2 qd + {0, 1}
-        const float4 v = xother[r * 128];
-        const uint32_t m2 = *reinterpret_cast<const uint16_t*>(mk + 8 * r + 2 * qd);
-        const bool v0 = (m2 & 0xffu) != 0, v1 = (m2 >> 8) != 0;
-        sc[4 * r + 0] = v0 ? (sc[4 * r + 0] + v.x) * P.scale_log2 : -INFINITY;
-        sc[4 * r + 1] = v1 ? (sc[4 * r + 1] + v.y) * P.scale_log2 : -INFINITY;
-        sc[4 * r + 2] = v0 ? (sc[4 * r + 2] + v.z) * P.scale_log2 : -INFINITY;
-        sc[4 * r + 3] = v1 ? (sc[4 * r + 3] + v.w) * P.scale_log2 : -INFINITY;
-      }
-      // Online softmax, rows g and g + 8 of warp wi's 16 (lazy rescaling as in the mma.sync kernel).
+      for (int r = 0; r < 8; ++r)  // n8 tile r: keys 8 r + 2 qd + {0, 1}
+        finish_logits(sc + 4 * r, xother[r * 128], mk + 8 * r + 2 * qd, P.scale_log2);
+      // Online softmax, rows g and g + 8 of warp wi's 16.
       float mx[2] = {-INFINITY, -INFINITY};
   #pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        mx[0] = fmaxf(mx[0], fmaxf(sc[4 * r], sc[4 * r + 1]));
-        mx[1] = fmaxf(mx[1], fmaxf(sc[4 * r + 2], sc[4 * r + 3]));
-      }
-      bool need = false;
+      for (int r = 0; r < 8; ++r) tile_max(mx, sc + 4 * r);
   #pragma unroll
       for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        need |= mx[h] > m_run[h] + 8.f;
       }
-      if (__any_sync(0xffffffffu, need)) {
-  #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float mn = fmaxf(m_run[h], mx[h]);
-          const float alpha = mn == -INFINITY ? 1.f : exp2f(m_run[h] - mn);
-          m_run[h] = mn;
-          l_run[h] *= alpha;
-  #pragma unroll
-          for (int j = 0; j < 32; ++j) o[4 * j + 2 * h] *= alpha, o[4 * j + 2 * h + 1] *= alpha;
-        }
-      }
+      rescale_lazy(mx, m_run, l_run, o);
       const float mu0 = m_run[0] == -INFINITY ? 0.f : m_run[0];
       const float mu1 = m_run[1] == -INFINITY ? 0.f : m_run[1];
   #pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const float p0 = ex2(sc[4 * r] - mu0), p1 = ex2(sc[4 * r + 1] - mu0);
-        const float p2 = ex2(sc[4 * r + 2] - mu1), p3 = ex2(sc[4 * r + 3] - mu1);
-        l_run[0] += p0 + p1;
-        l_run[1] += p2 + p3;
-        // k-step r / 2: a0 (row g, keys +0..7) a1 (row g+8) a2 (row g, keys +8..15) a3 (row g+8)
-        pa[4 * (r >> 1) + 2 * (r & 1) + 0] = pack_bf16(p0, p1);
-        pa[4 * (r >> 1) + 2 * (r & 1) + 1] = pack_bf16(p2, p3);
-      }
+      for (int r = 0; r < 8; ++r)  // k-step r / 2: a0 (row g, keys +0..7) a1 (row g+8) a2 (row g, keys +8..15) a3
+        exp_pack(sc + 4 * r, mu0, mu1, l_run, pa[4 * (r >> 1) + 2 * (r & 1)], pa[4 * (r >> 1) + 2 * (r & 1) + 1]);
 
     } else {
       // Split softmax: this warpgroup finishes the logits, exponentials and sums of n8 tiles
@@ -520,21 +536,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       named_bar(1, 256);
       const uint8_t* mk = sm + kMaskOff + s * 64 + 32 * w;
 #pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {  // n8 tile 4 w + rr: keys 32 w + 8 rr + 2 qd + {0, 1}
-        const float4 v = xs[((1 - w) * 4 + rr) * 128 + lt];
-        const uint32_t m2 = *reinterpret_cast<const uint16_t*>(mk + 8 * rr + 2 * qd);
-        const bool v0 = (m2 & 0xffu) != 0, v1 = (m2 >> 8) != 0;
-        mine[4 * rr + 0] = v0 ? (mine[4 * rr + 0] + v.x) * P.scale_log2 : -INFINITY;
-        mine[4 * rr + 1] = v1 ? (mine[4 * rr + 1] + v.y) * P.scale_log2 : -INFINITY;
-        mine[4 * rr + 2] = v0 ? (mine[4 * rr + 2] + v.z) * P.scale_log2 : -INFINITY;
-        mine[4 * rr + 3] = v1 ? (mine[4 * rr + 3] + v.w) * P.scale_log2 : -INFINITY;
-      }
+      for (int rr = 0; rr < 4; ++rr)  // n8 tile 4 w + rr: keys 32 w + 8 rr + 2 qd + {0, 1}
+        finish_logits(mine + 4 * rr, xs[((1 - w) * 4 + rr) * 128 + lt], mk + 8 * rr + 2 * qd, P.scale_log2);
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {
-        mx[0] = fmaxf(mx[0], fmaxf(mine[4 * rr], mine[4 * rr + 1]));
-        mx[1] = fmaxf(mx[1], fmaxf(mine[4 * rr + 2], mine[4 * rr + 3]));
-      }
+      for (int rr = 0; rr < 4; ++rr) tile_max(mx, mine + 4 * rr);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
@@ -549,32 +555,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
         mx[1] = fmaxf(mx[1], om.y);
       }
       // The same maxima in both warpgroups: the same lazy rescaling decisions.
-      bool need = false;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) need |= mx[h] > m_run[h] + 8.f;
-      if (__any_sync(0xffffffffu, need)) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float mn = fmaxf(m_run[h], mx[h]);
-          const float alpha = mn == -INFINITY ? 1.f : exp2f(m_run[h] - mn);
-          m_run[h] = mn;
-          l_run[h] *= alpha;
-#pragma unroll
-          for (int j = 0; j < 32; ++j) o[4 * j + 2 * h] *= alpha, o[4 * j + 2 * h + 1] *= alpha;
-        }
-      }
+      rescale_lazy(mx, m_run, l_run, o);
       const float mu0 = m_run[0] == -INFINITY ? 0.f : m_run[0];
       const float mu1 = m_run[1] == -INFINITY ? 0.f : m_run[1];
       uint32_t ph[8];
 #pragma unroll
-      for (int rr = 0; rr < 4; ++rr) {
-        const float p0 = ex2(mine[4 * rr] - mu0), p1 = ex2(mine[4 * rr + 1] - mu0);
-        const float p2 = ex2(mine[4 * rr + 2] - mu1), p3 = ex2(mine[4 * rr + 3] - mu1);
-        l_run[0] += p0 + p1;
-        l_run[1] += p2 + p3;
-        ph[4 * (rr >> 1) + 2 * (rr & 1) + 0] = pack_bf16(p0, p1);
-        ph[4 * (rr >> 1) + 2 * (rr & 1) + 1] = pack_bf16(p2, p3);
-      }
+      for (int rr = 0; rr < 4; ++rr)
+        exp_pack(mine + 4 * rr, mu0, mu1, l_run, ph[4 * (rr >> 1) + 2 * (rr & 1)], ph[4 * (rr >> 1) + 2 * (rr & 1) + 1]);
       uint4* xp = reinterpret_cast<uint4*>(sm + kXOff + 16384 + 2048);
       xp[(w * 128 + lt) * 2] = make_uint4(ph[0], ph[1], ph[2], ph[3]);
       xp[(w * 128 + lt) * 2 + 1] = make_uint4(ph[4], ph[5], ph[6], ph[7]);
