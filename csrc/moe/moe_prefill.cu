@@ -634,33 +634,19 @@ bool encode_f32_2d(CUtensorMap& map, const void* base, int64_t rows, int64_t col
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Maps of one GEMM: A (positions x K e4m3, its transposed scales), routed and shared weights.
+// Maps of one GEMM: A (positions x K e4m3, its transposed scales), routed and shared weights. Routed
+// weights e4m3 (128-byte swizzled boxes) or, mx, packed e2m1 (64 bytes per 128-K chunk, no swizzle);
+// the shared expert is fp8 in both.
 bool encode_maps(const MoeProblem& p, const uint8_t* A, const float* AsT, int64_t P, int K, const ExpertWeight& w0,
                  const ExpertWeight& w1, const ExpertWeight& s0, const ExpertWeight& s1, int Nw, int box_rows,
-                 Maps& m) {
+                 bool mx, Maps& m) {
   const int64_t Pp = moe_prefill_pitch(P);
+  const int64_t rows = static_cast<int64_t>(p.E) * Nw;
+  const int wk = mx ? K / 2 : K, wbox = mx ? 64 : 128;
   if (!tma::encode_u8_2d(m.a, A, P, K, 128, kBM, true)) return false;
   if (!encode_f32_2d(m.as, AsT, K / 128, P, Pp, kASBox)) return false;
-  if (!tma::encode_u8_2d(m.w0, w0.w, static_cast<int64_t>(p.E) * Nw, K, 128, box_rows, true)) return false;
-  if (!tma::encode_u8_2d(m.w1, w1.w, static_cast<int64_t>(p.E) * Nw, K, 128, box_rows, true)) return false;
-  if (p.has_shared) {
-    if (!tma::encode_u8_2d(m.s0, s0.w, Nw, K, 128, box_rows, true)) return false;
-    if (!tma::encode_u8_2d(m.s1, s1.w, Nw, K, 128, box_rows, true)) return false;
-  } else {
-    m.s0 = m.w0, m.s1 = m.w1;  // unused (no task has expert E)
-  }
-  return true;
-}
-
-// MXFP4 maps: routed weights packed (64 bytes per 128-K chunk, no swizzle), the shared expert fp8.
-bool encode_maps_mx(const MoeProblem& p, const uint8_t* A, const float* AsT, int64_t P, int K, const ExpertWeight& w0,
-                    const ExpertWeight& w1, const ExpertWeight& s0, const ExpertWeight& s1, int Nw, int box_rows,
-                    Maps& m) {
-  const int64_t Pp = moe_prefill_pitch(P);
-  if (!tma::encode_u8_2d(m.a, A, P, K, 128, kBM, true)) return false;
-  if (!encode_f32_2d(m.as, AsT, K / 128, P, Pp, kASBox)) return false;
-  if (!tma::encode_u8_2d(m.w0, w0.w, static_cast<int64_t>(p.E) * Nw, K / 2, 64, box_rows, false)) return false;
-  if (!tma::encode_u8_2d(m.w1, w1.w, static_cast<int64_t>(p.E) * Nw, K / 2, 64, box_rows, false)) return false;
+  if (!tma::encode_u8_2d(m.w0, w0.w, rows, wk, wbox, box_rows, !mx)) return false;
+  if (!tma::encode_u8_2d(m.w1, w1.w, rows, wk, wbox, box_rows, !mx)) return false;
   if (p.has_shared) {
     if (!tma::encode_u8_2d(m.s0, s0.w, Nw, K, 128, box_rows, true)) return false;
     if (!tma::encode_u8_2d(m.s1, s1.w, Nw, K, 128, box_rows, true)) return false;
@@ -694,8 +680,8 @@ void gather_cast(const MoePrefillIO& io, const void* src, bool bf16, const int* 
 
 bool moe_prefill_gemms_mx(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t stream) {
   Maps m1{}, m2{};
-  if (!encode_maps_mx(p, io.xp, io.xsT, io.P, p.d, p.w1, p.w3, p.sw1, p.sw3, p.inter, 64, m1) ||
-      !encode_maps_mx(p, io.hq, io.hsT, io.P, p.inter, p.w2, p.w2, p.sw2, p.sw2, p.d, 128, m2))
+  if (!encode_maps(p, io.xp, io.xsT, io.P, p.d, p.w1, p.w3, p.sw1, p.sw3, p.inter, 64, true, m1) ||
+      !encode_maps(p, io.hq, io.hsT, io.P, p.inter, p.w2, p.w2, p.sw2, p.sw2, p.d, 128, true, m2))
     return false;
   const int sms = num_sms();
   const int rotate = std::getenv("DEEPFUSE_MOE_PREFILL_NO_ROT") == nullptr;
@@ -745,8 +731,8 @@ bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t
   const char* bn_env = std::getenv("DEEPFUSE_MOE_PREFILL_BN");
   const int BN = bn_env != nullptr && std::atoi(bn_env) == 128 ? 128 : 256;
   Maps m1{}, m2{};
-  if (!encode_maps(p, io.xp, io.xsT, io.P, p.d, p.w1, p.w3, p.sw1, p.sw3, p.inter, BN / 2, m1) ||
-      !encode_maps(p, io.hq, io.hsT, io.P, p.inter, p.w2, p.w2, p.sw2, p.sw2, p.d, 128, m2))
+  if (!encode_maps(p, io.xp, io.xsT, io.P, p.d, p.w1, p.w3, p.sw1, p.sw3, p.inter, BN / 2, false, m1) ||
+      !encode_maps(p, io.hq, io.hsT, io.P, p.inter, p.w2, p.w2, p.sw2, p.sw2, p.d, 128, false, m2))
     return false;
   const int64_t Pp = moe_prefill_pitch(io.P);
   const int sms = num_sms();
