@@ -13,7 +13,8 @@ kernel's other configurations (3 decode warps / 4 stages).
 """
 import pytest
 import torch
-from test_moe_gpu import DEV, check, emulated, make_experts, poison_allocator, routing, run_kernel
+from test_moe_gpu import (DEV, check, check_prefill_graph_replay, emulated, make_experts, poison_allocator, routing,
+                          run_kernel)
 
 from deepfuse.ops import moe as M
 
@@ -84,27 +85,7 @@ def test_mxfp4_prefill_v4_flash_shape(T, mx_prefill):
 
 
 def test_mxfp4_prefill_graph_capturable(mx_prefill):
-    T, d, I, E, k = 600, 512, 256, 32, 6
-    g = torch.Generator(device=DEV).manual_seed(19)
-    ex, sh = make_experts(E, I, d, "mxfp4", seed=19, shared=True, spread=6)
-    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
-    ids, w = routing(T, E, k, "random", g)
-    run_kernel(x, ids, w, ex, "mxfp4", 5.0, sh)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run_kernel(x, ids, w, ex, "mxfp4", 5.0, sh)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = run_kernel(x, ids, w, ex, "mxfp4", 5.0, sh)
-    x2 = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
-    ids2, w2 = routing(T, E, k, "few", g)
-    x.copy_(x2), ids.copy_(ids2), w.copy_(w2)
-    y.fill_(float("nan"))
-    graph.replay()
-    torch.testing.assert_close(y, run_kernel(x2, ids2, w2, ex, "mxfp4", 5.0, sh), rtol=0, atol=0)
-    check(y, emulated(x2, ids2, w2, ex, "mxfp4", 5.0, sh), reference(x2, ids2, w2, ex, 5.0, sh))
+    check_prefill_graph_replay("mxfp4", seed=19, spread=6)
 
 
 @pytest.mark.sanitize
