@@ -5,7 +5,7 @@
 // CTA = 3 warpgroups (384 threads), 64 query heads of one query row t. H = 128 (C = 2): the two
 // CTAs of row t form a cluster; each dequantises half of every block's keys into both CTAs'
 // tiles (st.async into the peer, completing on its "rfull" mbarrier), so a key is converted
-// once per row; only with DEEPFUSE_SPARSE_DECODE_CLUSTER=1, else two independent CTAs (C = 1).
+// once per row (the default; DEEPFUSE_SPARSE_DECODE_CLUSTER=0: two independent CTAs, C = 1).
 // Keys in blocks of 64 positions of the virtual list (source 0's columns, then source 1's).
 // - Warpgroup 0 (producer, 88 registers): per block, each of its 64 / C key rows by 2 C
 //   threads: slot index, validity (0 <= slot < num_slots, position < length), the 36 16-byte

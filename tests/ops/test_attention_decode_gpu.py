@@ -1,8 +1,9 @@
 """ops.sparse_attention_paged on the warp-specialised wgmma kernel (csrc/attention/sparse_decode_sm90.cuh):
 one query row per CTA group (plan group_rows 1), H 64 / 128, FP8 pages. The kernel is selected by
-DEEPFUSE_SPARSE_DECODE (1: on, 0: the mma.sync kernel); each test sets it. H 128 runs as two
-independent CTAs, or with DEEPFUSE_SPARSE_DECODE_CLUSTER=1 as a cluster of two CTAs sharing the
-dequantised key tiles (test_h128_cluster, and the sanitize case with the cluster). The consumer
+DEEPFUSE_SPARSE_DECODE (1: on, 0: the mma.sync kernel); each test sets it. H 128 runs by default
+as a cluster of two CTAs sharing the dequantised key tiles (every H 128 case without an explicit
+switch), or with DEEPFUSE_SPARSE_DECODE_CLUSTER=0 as two independent CTAs (test_h128_no_cluster,
+the graph and sanitize cases with cluster "0"). The consumer
 warpgroups split the softmax by keys unless DEEPFUSE_SPARSE_DECODE_SPLIT=0 (test_unsplit_softmax).
 
 Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
@@ -29,6 +30,7 @@ ENV_CLUSTER = "DEEPFUSE_SPARSE_DECODE_CLUSTER"
 @pytest.fixture
 def wg(monkeypatch):
     monkeypatch.setenv(ENV, "1")
+    monkeypatch.delenv(ENV_CLUSTER, raising=False)  # the built-in default unless a test sets it
 
 
 @pytest.mark.gpu
@@ -72,6 +74,17 @@ def test_h128_cluster(wg, monkeypatch, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [
+    dict(H=128, T=6, K1=128, K2=512),
+    dict(H=128, T=4, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8"),
+])
+def test_h128_no_cluster(wg, monkeypatch, case):
+    """DEEPFUSE_SPARSE_DECODE_CLUSTER=0: H 128 as two independent CTAs, each dequantising every key."""
+    monkeypatch.setenv(ENV_CLUSTER, "0")
+    _run_case(G=1, **case, seed=len(str(case)) + 11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
     dict(H=64, T=6, K1=128, K2=512),
     dict(H=128, T=4, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8"),
     dict(H=64, T=3, K1=128, K2=2048, splits=1, q_scale=4.0),
@@ -104,9 +117,10 @@ def test_switch_selects_the_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,cluster", [(64, "0"), (128, "0"), (128, "1")])
+@pytest.mark.parametrize("H,cluster", [(64, None), (128, "0"), (128, None)])
 def test_cuda_graph(wg, monkeypatch, H, cluster):
-    monkeypatch.setenv(ENV_CLUSTER, cluster)
+    if cluster is not None:
+        monkeypatch.setenv(ENV_CLUSTER, cluster)
     gen = torch.Generator().manual_seed(10 + H)
     T = 4
     kv1, s1, deq1 = make_cache(8, 64, "fp8", 400, gen, "cuda")
@@ -156,10 +170,12 @@ def test_cuda_graph(wg, monkeypatch, H, cluster):
     dict(H=64, T=4, K1=40, K2=70, splits=2, oob=True),
     dict(H=128, T=3, K1=128, K2=200, out_format="mxfp8"),
     dict(H=64, T=2, K1=64, K2=None, splits=1),
-    dict(H=128, T=4, K1=40, K2=70, splits=2, oob=True, cluster=True),
+    dict(H=128, T=4, K1=40, K2=70, splits=2, oob=True),
+    dict(H=128, T=3, K1=128, K2=200, cluster="0"),
 ])
 def test_sanitize(wg, monkeypatch, case):
     case = dict(case)
-    if case.pop("cluster", False):
-        monkeypatch.setenv(ENV_CLUSTER, "1")
+    cl = case.pop("cluster", None)
+    if cl is not None:
+        monkeypatch.setenv(ENV_CLUSTER, cl)
     _run_case(G=1, **case, seed=3)
