@@ -9,8 +9,9 @@
 
 namespace deepfuse {
 
-// The split softmax of the consumer warpgroups (sparse_decode_sm90.cuh, kSplit).
-constexpr bool kSparseDecodeSplit = true;
+// The consumer warpgroups' softmax (sparse_decode_sm90.cuh): 0 full tile in both, 1 split by keys
+// after a QK split by dims (kSplit), 2 QK itself split by keys (kSplit + kKeys).
+constexpr int kSparseDecodeSplit = 1;
 // H = 128 as a 2-CTA cluster sharing the dequantised key tiles (C = 2).
 constexpr bool kSparseDecodeCluster = true;
 
@@ -33,7 +34,9 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev >= 64 || !attr_done[dev]) {
     for (const void* f : {(const void*)attn_wg::sparse_decode_kernel<1, false>, (const void*)attn_wg::sparse_decode_kernel<2, false>,
-                          (const void*)attn_wg::sparse_decode_kernel<1, true>, (const void*)attn_wg::sparse_decode_kernel<2, true>})
+                          (const void*)attn_wg::sparse_decode_kernel<1, true>, (const void*)attn_wg::sparse_decode_kernel<2, true>,
+                          (const void*)attn_wg::sparse_decode_kernel<1, true, true>,
+                          (const void*)attn_wg::sparse_decode_kernel<2, true, true>})
       check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, attn_wg::kSmemBytes),
                  "sparse_attention (wgmma): smem attribute");
     if (dev < 64) attr_done[dev] = true;
@@ -43,13 +46,14 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   // DEEPFUSE_SPARSE_DECODE_CLUSTER=0 / 1 overrides.
   const char* ce = std::getenv("DEEPFUSE_SPARSE_DECODE_CLUSTER");
   const bool cl = p.H == 128 && ((ce == nullptr || ce[0] == '\0') ? kSparseDecodeCluster : std::strcmp(ce, "0") != 0);
-  // The split softmax (each consumer warpgroup finishes half of the keys): on by default
-  // (kSparseDecodeSplit); DEEPFUSE_SPARSE_DECODE_SPLIT=0 / 1 overrides.
+  // The softmax split (kSparseDecodeSplit): DEEPFUSE_SPARSE_DECODE_SPLIT=0 / 1 / 2 overrides.
   const char* se = std::getenv("DEEPFUSE_SPARSE_DECODE_SPLIT");
-  const bool split = (se == nullptr || se[0] == '\0') ? kSparseDecodeSplit : std::strcmp(se, "0") != 0;
+  const int split = (se == nullptr || se[0] == '\0') ? kSparseDecodeSplit : (se[0] == '0' ? 0 : se[0] == '2' ? 2 : 1);
   const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.T) * (p.H / 64)), static_cast<unsigned>(p.splits), 1);
   if (!cl) {
-    if (split)
+    if (split == 2)
+      attn_wg::sparse_decode_kernel<1, true, true><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
+    else if (split == 1)
       attn_wg::sparse_decode_kernel<1, true><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
     else
       attn_wg::sparse_decode_kernel<1, false><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
@@ -66,8 +70,9 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    check_cuda(split ? cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, true>, p)
-                     : cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, false>, p),
+    check_cuda(split == 2   ? cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, true, true>, p)
+               : split == 1 ? cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, true>, p)
+                            : cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, false>, p),
                "sparse_attention (wgmma): cluster launch");
   }
   check_launch("sparse_attention (wgmma)");

@@ -107,6 +107,15 @@ __device__ __forceinline__ void finish_logits(float* s, const float4 v, const ui
   s[2] = v0 ? (s[2] + v.z) * scale : -INFINITY;
   s[3] = v1 ? (s[3] + v.w) * scale : -INFINITY;
 }
+// The same without a partner's partial (the key-split QK holds whole logits).
+__device__ __forceinline__ void mask_scale(float* s, const uint8_t* m, float scale) {
+  const uint32_t m2 = *reinterpret_cast<const uint16_t*>(m);
+  const bool v0 = (m2 & 0xffu) != 0, v1 = (m2 >> 8) != 0;
+  s[0] = v0 ? s[0] * scale : -INFINITY;
+  s[1] = v1 ? s[1] * scale : -INFINITY;
+  s[2] = v0 ? s[2] * scale : -INFINITY;
+  s[3] = v1 ? s[3] * scale : -INFINITY;
+}
 __device__ __forceinline__ void tile_max(float (&mx)[2], const float* s) {
   mx[0] = fmaxf(mx[0], fmaxf(s[0], s[1]));
   mx[1] = fmaxf(mx[1], fmaxf(s[2], s[3]));
@@ -226,6 +235,14 @@ __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t da, 
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
+__device__ __forceinline__ void wgmma_ss_m64n32k16(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
 // A from registers (a0..a3: the m64k16 bf16 fragment), B N-major (transposed) from shared memory.
 __device__ __forceinline__ void wgmma_rs_m64n256k16_tb(float (&d)[128], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                     uint64_t db, int scale_d) {
@@ -237,7 +254,10 @@ __device__ __forceinline__ void wgmma_rs_m64n256k16_tb(float (&d)[128], uint32_t
 }
 
 
-template <int C, bool kSplit>
+// kSplit: the split softmax (each consumer warpgroup finishes half of the keys); kKeys (with kSplit):
+// QK itself split by keys (warpgroup w: keys 32 w .. 32 w + 31 over all 512 dims), so only the row
+// maxima and the P halves are exchanged.
+template <int C, bool kSplit, bool kKeys = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid_constant__ AttnParams P) {
 #if DEEPFUSE_SM90A_DEVICE
   static_assert(C == 1 || C == 2, "cluster size");
@@ -456,18 +476,30 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   const float4* xother = reinterpret_cast<const float4*>(sm + kXOff) + (1 - w) * 8 * 128 + lt;
 
   // S_w of block i into sc (issued, not committed).
-  float sc[32];
+  static_assert(kSplit || !kKeys, "the key-split QK needs the split softmax");
+  constexpr int NS = kKeys ? 16 : 32;
+  float sc[NS];
 #pragma unroll
-  for (int j = 0; j < 32; ++j) sc[j] = 0.f;
+  for (int j = 0; j < NS; ++j) sc[j] = 0.f;
   // (Descriptors advance by adding the byte offset / 16 to the address field: every tile
   // address + offset stays below 2^18.)
   const uint64_t dq0 = desc_k(sb + kQOff + 4 * w * kSub);
   auto issue_qk = [&](int i) {
-    const uint64_t dk0 = desc_k(sb + kKOff + (i & 1) * kTile + 4 * w * kSub);
+    if constexpr (kKeys) {  // S[:, keys 32 w ..] over all 512 dims: A = Q, B = rows 32 w .. of the key tile
+      const uint64_t dqa = desc_k(sb + kQOff);
+      const uint64_t dk0 = desc_k(sb + kKOff + (i & 1) * kTile + w * 4096);
 #pragma unroll
-    for (int ks = 0; ks < 16; ++ks) {
-      const uint32_t off = ((ks >> 2) * kSub + (ks & 3) * 32) >> 4;
-      wgmma_ss_m64n64k16(sc, dq0 + off, dk0 + off, ks > 0 ? 1 : 0);
+      for (int ks = 0; ks < 32; ++ks) {
+        const uint32_t off = ((ks >> 2) * kSub + (ks & 3) * 32) >> 4;
+        wgmma_ss_m64n32k16(sc, dqa + off, dk0 + off, ks > 0 ? 1 : 0);
+      }
+    } else {
+      const uint64_t dk0 = desc_k(sb + kKOff + (i & 1) * kTile + 4 * w * kSub);
+#pragma unroll
+      for (int ks = 0; ks < 16; ++ks) {
+        const uint32_t off = ((ks >> 2) * kSub + (ks & 3) * 32) >> 4;
+        wgmma_ss_m64n64k16(sc, dq0 + off, dk0 + off, ks > 0 ? 1 : 0);
+      }
     }
   };
   // Block i's tile is complete when this CTA's producer arrived (and, C = 2, the peer's bytes landed).
@@ -523,21 +555,29 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       // thread); a thread's partner in the other warpgroup (same lt) holds the same rows.
       // Buffer reuse needs no extra barrier: a buffer is rewritten only after the barrier that
       // follows the partner's read of its previous contents.
-      float mine[16], oth[16];
-#pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        mine[k] = w ? sc[16 + k] : sc[k];
-        oth[k] = w ? sc[k] : sc[16 + k];
-      }
-      float4* xs = reinterpret_cast<float4*>(sm + kXOff);
-#pragma unroll
-      for (int rr = 0; rr < 4; ++rr)
-        xs[(w * 4 + rr) * 128 + lt] = make_float4(oth[4 * rr], oth[4 * rr + 1], oth[4 * rr + 2], oth[4 * rr + 3]);
-      named_bar(1, 256);
+      float mine[16];
       const uint8_t* mk = sm + kMaskOff + s * 64 + 32 * w;
+      if constexpr (kKeys) {  // sc holds this warpgroup's keys over all dims: nothing to exchange
 #pragma unroll
-      for (int rr = 0; rr < 4; ++rr)  // n8 tile 4 w + rr: keys 32 w + 8 rr + 2 qd + {0, 1}
-        finish_logits(mine + 4 * rr, xs[((1 - w) * 4 + rr) * 128 + lt], mk + 8 * rr + 2 * qd, P.scale_log2);
+        for (int k = 0; k < 16; ++k) mine[k] = sc[k];
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) mask_scale(mine + 4 * rr, mk + 8 * rr + 2 * qd, P.scale_log2);
+      } else {
+        float oth[16];
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          mine[k] = w ? sc[16 + k] : sc[k];
+          oth[k] = w ? sc[k] : sc[16 + k];
+        }
+        float4* xs = reinterpret_cast<float4*>(sm + kXOff);
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr)
+          xs[(w * 4 + rr) * 128 + lt] = make_float4(oth[4 * rr], oth[4 * rr + 1], oth[4 * rr + 2], oth[4 * rr + 3]);
+        named_bar(1, 256);
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr)  // n8 tile 4 w + rr: keys 32 w + 8 rr + 2 qd + {0, 1}
+          finish_logits(mine + 4 * rr, xs[((1 - w) * 4 + rr) * 128 + lt], mk + 8 * rr + 2 * qd, P.scale_log2);
+      }
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int rr = 0; rr < 4; ++rr) tile_max(mx, mine + 4 * rr);

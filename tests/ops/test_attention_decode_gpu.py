@@ -4,7 +4,8 @@ DEEPFUSE_SPARSE_DECODE (1: on, 0: the mma.sync kernel); each test sets it. H 128
 as a cluster of two CTAs sharing the dequantised key tiles (every H 128 case without an explicit
 switch), or with DEEPFUSE_SPARSE_DECODE_CLUSTER=0 as two independent CTAs (test_h128_no_cluster,
 the graph and sanitize cases with cluster "0"). The consumer
-warpgroups split the softmax by keys unless DEEPFUSE_SPARSE_DECODE_SPLIT=0 (test_unsplit_softmax).
+warpgroups split the softmax by keys unless DEEPFUSE_SPARSE_DECODE_SPLIT=0 (test_unsplit_softmax);
+DEEPFUSE_SPARSE_DECODE_SPLIT=2 splits QK itself by keys (test_key_split_qk).
 
 Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
 docstring): fresh random caches written by kv_store into NaN-poisoned pages, -1 holes,
@@ -97,6 +98,26 @@ def test_unsplit_softmax(wg, monkeypatch, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dict(H=64, T=6, K1=128, K2=512),
+    dict(H=128, T=6, K1=128, K2=512),
+    dict(H=128, T=4, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8"),
+    dict(H=64, T=3, K1=128, K2=2048, splits=1, q_scale=4.0),
+    dict(H=64, T=2, K1=129, K2=300, idx64=True),
+    dict(H=128, T=5, K1=128, K2=2048, splits=1, cluster="0"),
+])
+def test_key_split_qk(wg, monkeypatch, case):
+    """DEEPFUSE_SPARSE_DECODE_SPLIT=2: QK split by keys between the consumer warpgroups (each over all
+    512 dims; only row maxima and P halves exchanged) passes the same bounds."""
+    case = dict(case)
+    monkeypatch.setenv("DEEPFUSE_SPARSE_DECODE_SPLIT", "2")
+    cl = case.pop("cluster", None)
+    if cl is not None:
+        monkeypatch.setenv(ENV_CLUSTER, cl)
+    _run_case(G=1, **case, seed=len(str(case)) + 17)
+
+
+@pytest.mark.gpu
 def test_switch_selects_the_kernel(monkeypatch):
     """Both kernels pass the same bounds; their fp32 summation orders differ, so the bf16 outputs
     differ in some elements: the switch reaches the launcher."""
@@ -172,10 +193,15 @@ def test_cuda_graph(wg, monkeypatch, H, cluster):
     dict(H=64, T=2, K1=64, K2=None, splits=1),
     dict(H=128, T=4, K1=40, K2=70, splits=2, oob=True),
     dict(H=128, T=3, K1=128, K2=200, cluster="0"),
+    dict(H=64, T=4, K1=40, K2=70, splits=2, oob=True, split="2"),
+    dict(H=128, T=3, K1=128, K2=200, out_format="mxfp8", split="2"),
 ])
 def test_sanitize(wg, monkeypatch, case):
     case = dict(case)
     cl = case.pop("cluster", None)
     if cl is not None:
         monkeypatch.setenv(ENV_CLUSTER, cl)
+    sp = case.pop("split", None)
+    if sp is not None:
+        monkeypatch.setenv("DEEPFUSE_SPARSE_DECODE_SPLIT", sp)
     _run_case(G=1, **case, seed=3)
