@@ -147,6 +147,51 @@ __device__ __forceinline__ void write_output(const AttnParams& P, int64_t t, con
   }
 }
 
+// The end of the split-KV combine for one output row th = t * H + h, 4 columns 4 i .. 4 i + 3 per
+// thread (128 threads per row, a warp holds 8 whole 32-column groups): acc = the merged unnormalised
+// output (relative to M, log2 units), l its sum, sk the sink (log2 units). Sink normalisation, lse,
+// inverse RoPE, bf16 or MXFP8 (group amax over 8 lanes). Shared by sparse_attn_combine_kernel and
+// the wgmma kernel's in-cluster reduction.
+__device__ __forceinline__ void combine_row_out(const AttnParams& P, int64_t t, int64_t th, float (&acc)[4], float l,
+                                                float M, float sk, int i) {
+  const float f = 1.f / (l + exp2f(sk - M));
+#pragma unroll
+  for (int k = 0; k < 4; ++k) acc[k] *= f;
+  if (i == 0) P.lse[th] = l > 0.f ? (log2f(l) + M) * kLn2 : -INFINITY;
+  const int rope0 = kDim - 2 * P.rope_pairs;
+  if (P.rope_pairs > 0) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (4 * i + 2 * k < rope0) continue;
+      const int pi = (4 * i + 2 * k - rope0) >> 1;
+      const float cs = P.cos[t * P.rope_pairs + pi], sn = P.sin[t * P.rope_pairs + pi];
+      const float x0 = acc[2 * k], x1 = acc[2 * k + 1];
+      acc[2 * k] = x0 * cs + x1 * sn;
+      acc[2 * k + 1] = x1 * cs - x0 * sn;
+    }
+  }
+  if (!P.mxfp8) {
+    uint2 v = make_uint2(pack_bf16(acc[0], acc[1]), pack_bf16(acc[2], acc[3]));
+    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(P.out) + th * kDim + 4 * i) = v;
+  } else {
+    float am = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) am = fmaxf(am, finite_abs(acc[k]));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 4));
+    const int e = ue8m0_exponent(am);
+    const float mul = exp2i(-e);
+    float c[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) c[k] = fminf(fmaxf(acc[k] * mul, -kE4M3Max), kE4M3Max);
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(c[0], c[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c[2], c[3]), __NV_SATFINITE, __NV_E4M3);
+    *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(P.out) + th * kDim + 4 * i) = lo | (hi << 16);
+    if ((i & 7) == 0) P.out_scale[th * 16 + (i >> 3)] = static_cast<uint8_t>(e + 127);
+  }
+}
+
 // Copies a staged tile of 64 output rows (write_output with a stage) to rows row0 .. row0 + 63 of
 // query row t of P.out with 16-byte stores: nthr threads, thread index i; rows contiguous in P.out.
 __device__ __forceinline__ void store_staged(const AttnParams& P, int64_t t, int row0, const uint8_t* stage, int i,

@@ -50,8 +50,9 @@ void sparse_attention_paged(const AttnParams& p, cudaStream_t stream) {
   if (p.splits < 1 || p.splits > 65535) throw std::invalid_argument("deepfuse: sparse_attention_paged: bad splits");
   if (p.splits > 1 && (p.ws_o == nullptr || p.ws_ml == nullptr))
     throw std::invalid_argument("deepfuse: sparse_attention_paged: splits > 1 needs a workspace");
+  bool reduced = false;  // the split-KV partials already merged by the main kernel
   if (sparse_decode_covers(p) && sparse_decode_enabled()) {
-    sparse_decode_launch(p, stream);
+    reduced = sparse_decode_launch(p, stream);
   } else {
     switch (p.G) {
       case 1: launch_main<1>(p, C, stream); break;
@@ -59,7 +60,7 @@ void sparse_attention_paged(const AttnParams& p, cudaStream_t stream) {
       default: launch_main<4>(p, C, stream); break;
     }
   }
-  if (p.splits > 1) {
+  if (p.splits > 1 && !reduced) {
     const int64_t n = static_cast<int64_t>(p.T) * p.H;
     attn::sparse_attn_combine_kernel<<<static_cast<unsigned>(n), 128, 0, stream>>>(p);
     check_launch("sparse_attention: combine");

@@ -14,6 +14,9 @@ namespace deepfuse {
 constexpr int kSparseDecodeSplit = 1;
 // H = 128 as a 2-CTA cluster sharing the dequantised key tiles (C = 2).
 constexpr bool kSparseDecodeCluster = true;
+// Split-KV partials reduced inside a cluster of the row's splits (kRed) instead of the workspace and
+// the combine launch, for 2 <= splits <= kMaxRed; H 128 then runs as two independent 64-head CTAs.
+constexpr bool kSparseDecodeReduce = false;
 
 bool sparse_decode_covers(const AttnParams& p) {
   if (p.G != 1 || (p.H != 64 && p.H != 128)) return false;
@@ -28,7 +31,60 @@ bool sparse_decode_enabled() {
   return std::strcmp(e, "0") != 0;
 }
 
-void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
+namespace {
+
+template <int C, bool kSplit, bool kKeys, bool kRed>
+void launch_cluster(const AttnParams& p, dim3 grid, dim3 cluster, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(attn_wg::kThreads, 1, 1);
+  cfg.dynamicSmemBytes = attn_wg::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<C, kSplit, kKeys, kRed>, p),
+             "sparse_attention (wgmma): cluster launch");
+}
+
+// Whether a cluster of `splits` CTAs of the reduction kernel fits on device dev (asked once per size).
+bool reduce_fits(int dev, int splits, int split_mode) {
+  static signed char ok[64][2][attn_wg::kMaxRed + 1] = {};  // 0 unknown, 1 yes, -1 no
+  const int m = split_mode == 2 ? 1 : 0;
+  if (dev < 64 && ok[dev][m][splits] != 0) return ok[dev][m][splits] > 0;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(1, static_cast<unsigned>(splits), 1);
+  cfg.blockDim = dim3(attn_wg::kThreads, 1, 1);
+  cfg.dynamicSmemBytes = attn_wg::kSmemBytes;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(splits);
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  const cudaError_t e = m ? cudaOccupancyMaxActiveClusters(&n, attn_wg::sparse_decode_kernel<1, true, true, true>, &cfg)
+                          : cudaOccupancyMaxActiveClusters(&n, attn_wg::sparse_decode_kernel<1, true, false, true>, &cfg);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // not launchable as a cluster: the combine path
+  const bool fits = e == cudaSuccess && n > 0;
+  if (dev < 64) ok[dev][m][splits] = fits ? 1 : -1;
+  return fits;
+}
+
+}  // namespace
+
+bool sparse_decode_reduce_enabled() {
+  const char* e = std::getenv("DEEPFUSE_SPARSE_DECODE_REDUCE");
+  if (e == nullptr || e[0] == '\0') return kSparseDecodeReduce;
+  return std::strcmp(e, "0") != 0;
+}
+
+bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   static bool attr_done[64] = {};
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
@@ -36,9 +92,15 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
     for (const void* f : {(const void*)attn_wg::sparse_decode_kernel<1, false>, (const void*)attn_wg::sparse_decode_kernel<2, false>,
                           (const void*)attn_wg::sparse_decode_kernel<1, true>, (const void*)attn_wg::sparse_decode_kernel<2, true>,
                           (const void*)attn_wg::sparse_decode_kernel<1, true, true>,
-                          (const void*)attn_wg::sparse_decode_kernel<2, true, true>})
+                          (const void*)attn_wg::sparse_decode_kernel<2, true, true>,
+                          (const void*)attn_wg::sparse_decode_kernel<1, true, false, true>,
+                          (const void*)attn_wg::sparse_decode_kernel<1, true, true, true>})
       check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, attn_wg::kSmemBytes),
                  "sparse_attention (wgmma): smem attribute");
+    for (const void* f : {(const void*)attn_wg::sparse_decode_kernel<1, true, false, true>,
+                          (const void*)attn_wg::sparse_decode_kernel<1, true, true, true>})
+      check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+                 "sparse_attention (wgmma): cluster size attribute");
     if (dev < 64) attr_done[dev] = true;
   }
   // H = 128 as a 2-CTA cluster sharing the dequantised tiles: on by default (kSparseDecodeCluster;
@@ -50,6 +112,19 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   const char* se = std::getenv("DEEPFUSE_SPARSE_DECODE_SPLIT");
   const int split = (se == nullptr || se[0] == '\0') ? kSparseDecodeSplit : (se[0] == '0' ? 0 : se[0] == '2' ? 2 : 1);
   const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.T) * (p.H / 64)), static_cast<unsigned>(p.splits), 1);
+  // The split reduction in a cluster of the row's splits: DEEPFUSE_SPARSE_DECODE_REDUCE=1 (off by
+  // default, kSparseDecodeReduce); needs the split softmax, 2 <= splits <= kMaxRed and a cluster of
+  // that size that fits; otherwise the partials go to the workspace and the combine kernel.
+  if (split != 0 && p.splits > 1 && p.splits <= attn_wg::kMaxRed && sparse_decode_reduce_enabled() &&
+      reduce_fits(dev, p.splits, split)) {
+    const dim3 cluster(1, static_cast<unsigned>(p.splits), 1);
+    if (split == 2)
+      launch_cluster<1, true, true, true>(p, grid, cluster, stream);
+    else
+      launch_cluster<1, true, false, true>(p, grid, cluster, stream);
+    check_launch("sparse_attention (wgmma, split reduction)");
+    return true;
+  }
   if (!cl) {
     if (split == 2)
       attn_wg::sparse_decode_kernel<1, true, true><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
@@ -58,24 +133,16 @@ void sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
     else
       attn_wg::sparse_decode_kernel<1, false><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
   } else {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(attn_wg::kThreads, 1, 1);
-    cfg.dynamicSmemBytes = attn_wg::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    check_cuda(split == 2   ? cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, true, true>, p)
-               : split == 1 ? cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, true>, p)
-                            : cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<2, false>, p),
-               "sparse_attention (wgmma): cluster launch");
+    const dim3 cluster(2, 1, 1);
+    if (split == 2)
+      launch_cluster<2, true, true, false>(p, grid, cluster, stream);
+    else if (split == 1)
+      launch_cluster<2, true, false, false>(p, grid, cluster, stream);
+    else
+      launch_cluster<2, false, false, false>(p, grid, cluster, stream);
   }
   check_launch("sparse_attention (wgmma)");
+  return false;
 }
 
 }  // namespace deepfuse

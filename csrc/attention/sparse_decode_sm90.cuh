@@ -59,6 +59,12 @@ constexpr int kXOff = 3 * kTile;               // logit exchange: 2 warpgroups x
 constexpr int kMaskOff = kXOff + 2 * 32 * 128 * 4;
 constexpr int kBarOff = kMaskOff + 2 * 64;     // full[2], empty[2], rfull[2] (the peer's half, C = 2)
 constexpr int kSmemBytes = kBarOff + 48 + 1024;  // + alignment slack (1024-byte swizzle atoms)
+// In-cluster split-KV reduction (kRed): a CTA's unnormalised output, fp32 rows kRS floats apart (float2
+// stores of a warp: two wavefronts), then (max, sum) per head row, over Q and the key stages.
+constexpr int kRS = 520;
+constexpr int kRedMlOff = 64 * kRS * 4;
+constexpr int kMaxRed = 16;  // splits per cluster (a non-portable cluster size above 8)
+static_assert(kRedMlOff + 64 * 8 <= kXOff, "reduction buffers");
 constexpr int kProducerRegs = 88;
 constexpr int kConsumerRegs = 208;
 constexpr float kLn2 = 0.69314718055994530942f;
@@ -184,6 +190,24 @@ __device__ __forceinline__ void st_async16(uint32_t cluster_addr, const uint4& v
                "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cluster_bar)
                : "memory");
 }
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ float2 ld_dsmem_f2(uint32_t cluster_addr) {
+  float2 v;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(cluster_addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float4 ld_dsmem_f4(uint32_t cluster_addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(cluster_addr)
+               : "memory");
+  return v;
+}
 __device__ __forceinline__ void cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
@@ -256,11 +280,14 @@ __device__ __forceinline__ void wgmma_rs_m64n256k16_tb(float (&d)[128], uint32_t
 
 // kSplit: the split softmax (each consumer warpgroup finishes half of the keys); kKeys (with kSplit):
 // QK itself split by keys (warpgroup w: keys 32 w .. 32 w + 31 over all 512 dims), so only the row
-// maxima and the P halves are exchanged.
-template <int C, bool kSplit, bool kKeys = false>
+// maxima and the P halves are exchanged. kRed (C = 1, splits > 1): the P.splits CTAs of a row form a
+// cluster (rank = split) and reduce their partial outputs through DSMEM instead of the workspace and
+// sparse_attn_combine_kernel.
+template <int C, bool kSplit, bool kKeys = false, bool kRed = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid_constant__ AttnParams P) {
 #if DEEPFUSE_SM90A_DEVICE
   static_assert(C == 1 || C == 2, "cluster size");
+  static_assert(C == 1 || !kRed, "the split reduction clusters the splits of one 64-head block");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const uint32_t sb = smem_u32(sm);
@@ -446,6 +473,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       if (i + 2 < nb) step(i + 2, a2, a1, b2);
     }
     if (C == 2) cluster_sync_all();  // no CTA leaves while its peer may still address it
+    if (kRed) {  // the consumers' two cluster barriers of the reduction
+      cluster_sync_all();
+      cluster_sync_all();
+    }
     return;
   }
 
@@ -646,6 +677,52 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   for (int h = 0; h < 2; ++h) {
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+  if constexpr (kRed) {
+    // Split-KV reduced in the cluster of the row's P.splits CTAs (rank = split): each CTA leaves its
+    // unnormalised output and (max, sum) per head row in its own shared memory (Q and the key stages,
+    // free after the last MMA), then merges rows rank, rank + splits, .. over every CTA's copy (DSMEM
+    // loads) and writes them as sparse_attn_combine_kernel does (the same arithmetic and order).
+    named_bar(3, 256);  // both warpgroups past their last MMA
+    float* red = reinterpret_cast<float*>(sm);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = wi * 16 + g + 8 * i;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(red + r * kRS + w * 256 + 8 * j + 2 * qd) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
+      if (w == 0 && qd == 0) *reinterpret_cast<float2*>(sm + kRedMlOff + r * 8) = make_float2(m_run[i], l_run[i]);
+    }
+    cluster_sync_all();
+    const int S = P.splits;
+    const int rank = static_cast<int>(cluster_ctarank());
+    const int ci = (tid - 128) & 127;  // columns 4 ci .. 4 ci + 3 of the row
+    for (int r = rank + ((tid - 128) >> 7) * S; r < 64; r += 2 * S) {  // (warp-uniform)
+      const int h = head0 + r;
+      const int64_t th = t * P.H + h;
+      const float sk = P.sink[h] * kLog2e;
+      float2 ml[kMaxRed];
+      float M = sk;
+#pragma unroll
+      for (int s2 = 0; s2 < kMaxRed; ++s2) {
+        ml[s2] = make_float2(-INFINITY, 0.f);
+        if (s2 < S) ml[s2] = ld_dsmem_f2(mapa(sb + kRedMlOff + r * 8, s2));
+        M = fmaxf(M, ml[s2].x);
+      }
+      if (M == -INFINITY) M = 0.f;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f}, l = 0.f;
+#pragma unroll
+      for (int s2 = 0; s2 < kMaxRed; ++s2) {
+        if (s2 >= S || ml[s2].y == 0.f) continue;
+        const float wt = exp2f(ml[s2].x - M);
+        l += wt * ml[s2].y;
+        const float4 v = ld_dsmem_f4(mapa(sb + static_cast<uint32_t>((r * kRS + 4 * ci) * 4), s2));
+        acc[0] += wt * v.x, acc[1] += wt * v.y, acc[2] += wt * v.z, acc[3] += wt * v.w;
+      }
+      attn_dev::combine_row_out(P, t, th, acc, l, M, sk, ci);
+    }
+    cluster_sync_all();  // no CTA leaves while another may still read its shared memory
+    return;
   }
   const int hrow[2] = {head0 + wi * 16 + g, head0 + wi * 16 + g + 8};
   // Without splits the output tile is staged in shared memory (key stage 0, free once both

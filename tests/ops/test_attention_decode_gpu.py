@@ -5,7 +5,9 @@ as a cluster of two CTAs sharing the dequantised key tiles (every H 128 case wit
 switch), or with DEEPFUSE_SPARSE_DECODE_CLUSTER=0 as two independent CTAs (test_h128_no_cluster,
 the graph and sanitize cases with cluster "0"). The consumer
 warpgroups split the softmax by keys unless DEEPFUSE_SPARSE_DECODE_SPLIT=0 (test_unsplit_softmax);
-DEEPFUSE_SPARSE_DECODE_SPLIT=2 splits QK itself by keys (test_key_split_qk).
+DEEPFUSE_SPARSE_DECODE_SPLIT=2 splits QK itself by keys (test_key_split_qk). DEEPFUSE_SPARSE_DECODE_REDUCE=1
+merges the split-KV partials inside a cluster of a row's splits instead of the combine kernel
+(test_split_reduce, test_split_reduce_matches_combine, graph and sanitize cases).
 
 Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
 docstring): fresh random caches written by kv_store into NaN-poisoned pages, -1 holes,
@@ -26,12 +28,15 @@ from test_attention_paged import _run_case, make_cache, make_indices
 
 ENV = "DEEPFUSE_SPARSE_DECODE"
 ENV_CLUSTER = "DEEPFUSE_SPARSE_DECODE_CLUSTER"
+ENV_REDUCE = "DEEPFUSE_SPARSE_DECODE_REDUCE"
 
 
 @pytest.fixture
 def wg(monkeypatch):
     monkeypatch.setenv(ENV, "1")
-    monkeypatch.delenv(ENV_CLUSTER, raising=False)  # the built-in default unless a test sets it
+    monkeypatch.delenv(ENV_CLUSTER, raising=False)  # the built-in defaults unless a test sets them
+    monkeypatch.delenv(ENV_REDUCE, raising=False)
+    monkeypatch.delenv("DEEPFUSE_SPARSE_DECODE_SPLIT", raising=False)
 
 
 @pytest.mark.gpu
@@ -118,6 +123,56 @@ def test_key_split_qk(wg, monkeypatch, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dict(H=64, T=2, K1=128, K2=512, splits=10),                                  # B 1 decode: one block per split
+    dict(H=128, T=3, K1=128, K2=512, splits=4, out_format="mxfp8"),
+    dict(H=64, T=2, K1=128, K2=4096, splits=16),                                 # the largest cluster
+    dict(H=64, T=4, K1=40, K2=300, splits=3, oob=True, idx64=True),              # odd size, empty CTAs
+    dict(H=128, T=2, K1=128, K2=2048, splits=8, q_scale=4.0, out_format="mxfp8"),
+    dict(H=64, T=3, K1=5, K2=0, splits=2),                                       # one short block, an empty split
+    dict(H=128, T=2, K1=128, K2=512, splits=5, split="2"),                       # with the key-split QK
+])
+def test_split_reduce(wg, monkeypatch, case):
+    """DEEPFUSE_SPARSE_DECODE_REDUCE=1: the splits of a row form a cluster and merge their partials
+    through DSMEM (no workspace, no combine launch); the same bounds."""
+    case = dict(case)
+    monkeypatch.setenv(ENV_REDUCE, "1")
+    sp = case.pop("split", None)
+    if sp is not None:
+        monkeypatch.setenv("DEEPFUSE_SPARSE_DECODE_SPLIT", sp)
+    _run_case(G=1, **case, seed=len(str(case)) + 23)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,splits,out_format", [(64, 10, "bf16"), (128, 3, "mxfp8"), (64, 16, "mxfp8")])
+def test_split_reduce_matches_combine(wg, monkeypatch, H, splits, out_format):
+    """The in-cluster reduction does the combine kernel's arithmetic in its order on the same
+    partials: outputs, scale bytes and lse equal bit for bit (H 128 as two 64-head CTAs in both)."""
+    monkeypatch.setenv(ENV_CLUSTER, "0")
+    gen = torch.Generator().manual_seed(31 + H + splits)
+    kv1, s1, _ = make_cache(8, 64, "fp8", 400, gen, "cuda")
+    kv2, s2, _ = make_cache(40, 16, "fp8", 600, gen, "cuda")
+    T = 3
+    i1, i2 = make_indices(T, 128, 1, s1, gen).cuda(), make_indices(T, 512, 1, s2, gen).cuda()
+    q = torch.randn(T, H, 512, generator=gen).to(torch.bfloat16).cuda()
+    sink = torch.randn(H, generator=gen).cuda()
+    cs = torch.randn(T, 32, generator=gen).cuda()
+    inv = (torch.cos(cs), torch.sin(cs))
+    res = []
+    for v in ("0", "1"):
+        monkeypatch.setenv(ENV_REDUCE, v)
+        o, lse = ops.sparse_attention_paged(q, kv1, 64, i1, sink, 0.05, extra_kv=kv2, extra_page_size=16,
+                                            extra_indices=i2, inv_rope=inv, out_format=out_format,
+                                            plan=A.SparseAttentionPlan(1, splits))
+        res.append((o if out_format == "bf16" else o[0].view(torch.uint8), o[1] if out_format != "bf16" else None, lse))
+    torch.cuda.synchronize()
+    assert torch.equal(res[0][0], res[1][0])
+    if out_format != "bf16":
+        assert torch.equal(res[0][1], res[1][1])
+    assert torch.equal(res[0][2], res[1][2])
+
+
+@pytest.mark.gpu
 def test_switch_selects_the_kernel(monkeypatch):
     """Both kernels pass the same bounds; their fp32 summation orders differ, so the bf16 outputs
     differ in some elements: the switch reaches the launcher."""
@@ -138,10 +193,13 @@ def test_switch_selects_the_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,cluster", [(64, None), (128, "0"), (128, None)])
-def test_cuda_graph(wg, monkeypatch, H, cluster):
+@pytest.mark.parametrize("H,cluster,reduce", [(64, None, None), (128, "0", None), (128, None, None), (64, None, "1"),
+                                             (128, None, "1")])
+def test_cuda_graph(wg, monkeypatch, H, cluster, reduce):
     if cluster is not None:
         monkeypatch.setenv(ENV_CLUSTER, cluster)
+    if reduce is not None:  # the splits reduced in a cluster: no combine node in the graph
+        monkeypatch.setenv(ENV_REDUCE, reduce)
     gen = torch.Generator().manual_seed(10 + H)
     T = 4
     kv1, s1, deq1 = make_cache(8, 64, "fp8", 400, gen, "cuda")
@@ -195,6 +253,8 @@ def test_cuda_graph(wg, monkeypatch, H, cluster):
     dict(H=128, T=3, K1=128, K2=200, cluster="0"),
     dict(H=64, T=4, K1=40, K2=70, splits=2, oob=True, split="2"),
     dict(H=128, T=3, K1=128, K2=200, out_format="mxfp8", split="2"),
+    dict(H=64, T=2, K1=128, K2=512, splits=10, reduce="1"),
+    dict(H=128, T=3, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8", reduce="1"),
 ])
 def test_sanitize(wg, monkeypatch, case):
     case = dict(case)
@@ -204,4 +264,7 @@ def test_sanitize(wg, monkeypatch, case):
     sp = case.pop("split", None)
     if sp is not None:
         monkeypatch.setenv("DEEPFUSE_SPARSE_DECODE_SPLIT", sp)
+    rd = case.pop("reduce", None)
+    if rd is not None:
+        monkeypatch.setenv(ENV_REDUCE, rd)
     _run_case(G=1, **case, seed=3)
