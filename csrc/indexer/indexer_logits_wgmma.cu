@@ -35,6 +35,7 @@ constexpr int kStages = 4;   // key tiles per CTA: 3 in flight while one is comp
 constexpr int kChainDecode = 256, kChainPrefill = 256;  // chain_cols() without its environment variables
 constexpr int kStagesSingle = 4;  // single_stages() without DEEPFUSE_INDEXER_STAGES
 constexpr int kRowGather = 1;      // DEEPFUSE_INDEXER_GATHER's default
+constexpr int kQK2 = 0;            // DEEPFUSE_INDEXER_QK2's default (q mode 3: two q terms along K)
 
 struct WArgs {
   const __nv_bfloat16* q;
@@ -50,9 +51,16 @@ struct WArgs {
   float scale;
   float* out;
   int64_t N;
-  int tiles_per_cta;
+  int tiles_per_cta;  // launch(): the cap in, the CTA's tile count out
   int row_gather;  // the gather's row mapping (rows_pass); DEEPFUSE_INDEXER_GATHER
+  int probe;       // DEEPFUSE_INDEXER_PROBE (timing only, wrong scores): kProbe* bits
 };
+
+// Measurement probes (DEEPFUSE_INDEXER_PROBE, a kernel variant of its own: the default kernels do
+// not carry them): parts of the tile loop switched off to time what is left. Scores are wrong.
+constexpr int kProbeNoSums = 1;    // no head sums: each token stores one accumulator per row
+constexpr int kProbeNoMma = 2;     // no wgmma: the head sums run on zeros
+constexpr int kProbeNoGather = 4;  // no key copies: the tiles keep what shared memory holds
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
@@ -95,11 +103,21 @@ __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], uint64_t da, uint64_t
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled tile (1024-byte aligned).
 __device__ __forceinline__ uint32_t swz(int r, int c) { return r * kRow + ((c ^ (r & 7)) << 4); }
 
+// q modes (the TERMS template argument): 1 one e4m3 term (q_fp8); 2 two terms as columns: B rows
+// = a token's H hi heads then its H lo heads (N = 2H per token), lo = e4m3(16 (x - hi)), merged
+// in the head sums; 3 two terms along K (DEEPFUSE_INDEXER_QK2): B = [hi | lo] over K = 256 against
+// the key tile twice (8 k-steps into one accumulator of H columns per token), lo = e4m3(x - hi)
+// unscaled (exact for |x| >= 2^-2, i.e. elements >= 2^-9 of their head's amax; below, an error
+// <= 2^-10 s): the tensor work of 2, the accumulators, chains and head sums of 1. Mode 3 keeps
+// the hi rows of all G tokens in one block and their lo rows in a second (G H rows each).
+constexpr int q_cols(int TERMS) { return TERMS == 2 ? 2 : 1; }   // B columns per head
+constexpr int q_bytes(int TERMS) { return TERMS == 1 ? 1 : 2; }  // B bytes per head and dim
+
 // Shared memory (dynamic, 1024-byte aligned by hand): key stages, the B tiles of G tokens,
 // key scales, weights times q scales.
 template <int H, int TERMS, int G, int S>
 struct Layout {
-  static constexpr int kQBytes = TERMS * H * kRow;  // one token's B tile
+  static constexpr int kQBytes = q_bytes(TERMS) * H * kRow;  // one token's B tile (mode 3: hi and lo blocks)
   static constexpr int kKeys = 0;
   static constexpr int kQ = S * kTileBytes;
   static constexpr int kScale = kQ + G * kQBytes;
@@ -111,12 +129,13 @@ struct Layout {
 // Tokens n0 .. n0 + R - 1 (all of request `req`) against entries [e_begin, e_end). Per tile, the
 // tokens run in jobs of TPJ consecutive tokens: one wgmma chain over their B tiles (contiguous:
 // N = TPJ * H * TERMS columns), then the head sums of each token from the one accumulator.
-template <int H, int TERMS, int G, int R, int S, int TPJ>
+template <int H, int TERMS, int G, int R, int S, int TPJ, bool PROBE = false>
 __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n0, int64_t req, int e_begin,
                                           int e_end) {
   using L = Layout<H, TERMS, G, S>;
   static_assert(R % TPJ == 0, "jobs of whole tokens");
-  constexpr int NT = H * TERMS, N = TPJ * NT, J = R / TPJ;  // columns per token, per job; jobs
+  constexpr int NT = H * q_cols(TERMS), N = TPJ * NT, J = R / TPJ;  // columns per token, per job; jobs
+  constexpr int KS = TERMS == 3 ? 8 : 4;  // k-steps of 32 per chain
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   int live[R];
   int live_end = e_begin;
@@ -174,6 +193,9 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
                 ok);
   };
   auto load_tile = [&](int stage, const int64_t (&s)[4]) {
+    if constexpr (PROBE) {
+      if (a.probe & kProbeNoGather) return;
+    }
     if (rg) {
       copy_row(stage, tid >> 1, s[0], 4 * (tid & 1), 4, (tid & 1) == 0);
       return;
@@ -228,22 +250,36 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
       const __nv_fp8x2_storage_t p = __nv_cvt_float2_to_fp8x2(make_float2(a0, a1), __NV_SATFINITE, __NV_E4M3);
       if (i & 1) hi[i >> 1] |= static_cast<uint32_t>(p) << 16;
       else hi[i >> 1] = p;
-      if constexpr (TERMS == 2) {
+      if constexpr (TERMS >= 2) {
         const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(p, __NV_E4M3);
         const float2 hf = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+        constexpr float kLo = TERMS == 2 ? 16.0f : 1.0f;
         const __nv_fp8x2_storage_t pl = __nv_cvt_float2_to_fp8x2(
-            make_float2((a0 - hf.x) * 16.0f, (a1 - hf.y) * 16.0f), __NV_SATFINITE, __NV_E4M3);
+            make_float2((a0 - hf.x) * kLo, (a1 - hf.y) * kLo), __NV_SATFINITE, __NV_E4M3);
         if (i & 1) lo[i >> 1] |= static_cast<uint32_t>(pl) << 16;
         else lo[i >> 1] = pl;
       }
     }
-    uint8_t* qt = sm + L::kQ + r * L::kQBytes;
-    *reinterpret_cast<uint4*>(qt + swz(h, c)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    if constexpr (TERMS == 2) *reinterpret_cast<uint4*>(qt + swz(H + h, c)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    if constexpr (TERMS == 3) {  // row r H + h of the hi block and of the lo block
+      uint8_t* qt = sm + L::kQ;
+      *reinterpret_cast<uint4*>(qt + swz(r * H + h, c)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      *reinterpret_cast<uint4*>(qt + G * H * kRow + swz(r * H + h, c)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    } else {
+      uint8_t* qt = sm + L::kQ + r * L::kQBytes;
+      *reinterpret_cast<uint4*>(qt + swz(h, c)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      if constexpr (TERMS == 2) *reinterpret_cast<uint4*>(qt + swz(H + h, c)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
     if (c == 0) wq[r * H + h] = __ldg(a.weights + (n0 + r) * H + h) * s;
   }
   fence_proxy_async();  // the B tiles (generic stores) before the wgmmas (async proxy); barrier below
 
+  // B of job k (tokens k TPJ ..), k-step kk: mode 3 reads the hi block for kk < 4, the lo block after
+  auto b_addr = [&](int k, int kk) -> uint32_t {
+    if constexpr (TERMS == 3)
+      return q_u32 + (kk >= 4 ? G * H * kRow : 0) + k * TPJ * H * kRow + 32 * (kk & 3);
+    else
+      return q_u32 + k * TPJ * L::kQBytes + 32 * kk;
+  };
   const int r0 = 16 * warp + g, r1 = r0 + 8;
   for (int it = 0; it < ntiles; ++it) {
     const int st = it % S, e0 = e_begin + it * kTile;
@@ -252,11 +288,20 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     __syncthreads();
     const uint32_t ka = keys_u32 + st * kTileBytes;
     float acc[N / 2];
-    wgmma_fence();
+    const bool mma = !PROBE || !(a.probe & kProbeNoMma);
+    if constexpr (PROBE) {
+      if (!mma) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) wgmma_n<N>(acc, smem_desc(ka + 32 * k), smem_desc(q_u32 + 32 * k), k);
-    wgmma_commit();
-    static_assert(L::kQBytes == NT * kRow, "a job's B tiles are contiguous");
+        for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
+      }
+    }
+    if (mma) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) wgmma_n<N>(acc, smem_desc(ka + 32 * (kk & 3)), smem_desc(b_addr(0, kk)), kk);
+      wgmma_commit();
+    }
+    static_assert(TERMS == 3 || L::kQBytes == NT * kRow, "a job's B tiles are contiguous");
     // refill the stage freed by tile it - 1 while the wgmmas run
     if (it + S - 1 < ntiles) {
       load_tile((it + S - 1) % S, nxt);
@@ -266,11 +311,10 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     const float s0 = a.scale * ksc[st * kTile + r0], s1 = a.scale * ksc[st * kTile + r1];
 #pragma unroll
     for (int k = 0; k < J; ++k) {
-      if (k > 0) {
+      if (k > 0 && mma) {
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_n<N>(acc, smem_desc(ka + 32 * kk), smem_desc(q_u32 + k * TPJ * L::kQBytes + 32 * kk), kk);
+        for (int kk = 0; kk < KS; ++kk) wgmma_n<N>(acc, smem_desc(ka + 32 * (kk & 3)), smem_desc(b_addr(k, kk)), kk);
         wgmma_commit();
       }
       wgmma_wait0();
@@ -280,8 +324,13 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
         const int r = k * TPJ + u, c0 = u * NT / 2;
         const float* w = wq + r * H;
         float p0 = 0.0f, p1 = 0.0f;
+        const int jn = PROBE && (a.probe & kProbeNoSums) ? 0 : H / 8;
+        if (jn == 0) p0 = acc[c0], p1 = acc[c0 + 2];
 #pragma unroll
         for (int j = 0; j < H / 8; ++j) {
+          if constexpr (PROBE) {
+            if (j >= jn) break;
+          }
           const float2 w2 = *reinterpret_cast<const float2*>(w + 8 * j + 2 * t);
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
@@ -307,7 +356,7 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   }
 }
 
-template <int H, int TERMS, int G, int S, int TPJ>
+template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false>
 __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) {
 #if DEEPFUSE_SM90A_DEVICE
   extern __shared__ uint8_t smem_raw[];
@@ -323,7 +372,7 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
     for (int r = 1; r < G; ++r) shared = shared && (r >= rows || __ldg(a.token_req + n0 + r) == req);
   }
   if (shared) {
-    rows_pass<H, TERMS, G, G, S, TPJ>(a, sm, n0, req, e_begin, e_end);
+    rows_pass<H, TERMS, G, G, S, TPJ, PROBE>(a, sm, n0, req, e_begin, e_end);
   } else {
     for (int r = 0; r < rows; ++r) {
       if (r) __syncthreads();
@@ -335,22 +384,45 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
 #endif
 }
 
-// Benchmark switches, read per call: DEEPFUSE_INDEXER_MAX_TILES (tiles per CTA at most, 8-256;
-// default 32), DEEPFUSE_INDEXER_PREFILL_G (tokens per CTA of prefill launches: 2 or 4; default 4),
-// DEEPFUSE_INDEXER_GATHER (below).
+// Switches, read per call: DEEPFUSE_INDEXER_MAX_TILES (tiles per CTA at most, 8-256; default
+// kMaxTilesDecode / kMaxTilesPrefill), DEEPFUSE_INDEXER_PREFILL_G (tokens per CTA of prefill
+// launches: 2 or 4; default 4), DEEPFUSE_INDEXER_GATHER (1 the row mapping of the key gather, 0 the
+// chunk mapping: rows_pass).
 int env_int(const char* name, int lo, int hi, int dflt) {
   const char* v = std::getenv(name);
   const int x = v != nullptr ? std::atoi(v) : dflt;
   return x < lo || x > hi ? dflt : x;
 }
-int max_tiles_per_cta() { return env_int("DEEPFUSE_INDEXER_MAX_TILES", 8, 256, 32); }
-// DEEPFUSE_INDEXER_GATHER: 1 the row mapping of the key gather, 0 the chunk mapping (rows_pass).
+// Tiles per CTA at most: decode 32 (ragged lengths: the CTAs of a long request must not finish
+// alone), prefill 128 (one request's keys for many groups: fewer q quantisations and pipeline fills;
+// T 1024 x C 32K 1.05-1.07x faster than 32).
+constexpr int kMaxTilesDecode = 32, kMaxTilesPrefill = 32;  // prefill 128: being validated
+int max_tiles_per_cta(bool prefill) {
+  return env_int("DEEPFUSE_INDEXER_MAX_TILES", 8, 256, prefill ? kMaxTilesPrefill : kMaxTilesDecode);
+}
 int prefill_group() { return env_int("DEEPFUSE_INDEXER_PREFILL_G", 2, 4, 4) >= 4 ? 4 : 2; }
+// Tokens per CTA of decode groups at most (DEEPFUSE_INDEXER_DECODE_G, 1-4, default 4: as
+// indexer_rows_per_cta): a smaller group reads each key tile once per group (the others from L2).
+int decode_group(int G) {
+  const int cap = env_int("DEEPFUSE_INDEXER_DECODE_G", 1, 4, 4);
+  return G <= cap ? G : G % 2 == 0 && cap >= 2 ? 2 : 1;
+}
 
-template <int H, int TERMS, int G, int S, int TPJ>
+// Tokens per wgmma chain: the most of 4, 2, 1 that divides G with at most `cols` columns.
+constexpr int chain_tokens(int G, int cols_per_token, int cols) {
+  return G % 4 == 0 && 4 * cols_per_token <= cols ? 4 : G % 2 == 0 && 2 * cols_per_token <= cols ? 2 : 1;
+}
+
+template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false>
 void launch(const WArgs& a, cudaStream_t stream) {
+  // the probes exist for H 64 at one and four tokens per CTA with the default chain (decode's
+  // next_n 1 and 4, prefill)
+  if constexpr (!PROBE && H == 64 && TERMS <= 2 && (G == 1 || G == 4) && S == kStages &&
+                TPJ == chain_tokens(G, H * TERMS, 256)) {
+    if (a.probe != 0) return launch<H, TERMS, G, S, TPJ, true>(a, stream);
+  }
   constexpr int smem = Layout<H, TERMS, G, S>::kAlloc;
-  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S, TPJ>;
+  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S, TPJ, PROBE>;
   static int resident_of[64] = {};  // per device: the attribute is set once on each
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
@@ -367,11 +439,11 @@ void launch(const WArgs& a, cudaStream_t stream) {
   }
   const int64_t groups = ceil_div<int64_t>(a.N, G);
   const int64_t tiles = ceil_div<int64_t>(a.C, kTile);
-  // about four waves of resident CTAs (a short last wave costs little), at most 32 tiles per CTA
-  // (max_tiles_per_cta; its q quantisation and pipeline fill are paid once per CTA)
+  // about four waves of resident CTAs (a short last wave costs little), at most a.tiles_per_cta
+  // tiles per CTA (the launcher's max_tiles_per_cta; q quantisation and pipeline fill are per CTA)
   const int64_t target = int64_t(num_sms()) * resident * 4;
   int per = static_cast<int>(ceil_div<int64_t>(groups * tiles, target));
-  const int cap = max_tiles_per_cta();
+  const int cap = a.tiles_per_cta;
   per = per < 1 ? 1 : per > cap ? cap : per;
   const int64_t splits = ceil_div<int64_t>(tiles, per);
   WArgs b = a;
@@ -380,14 +452,9 @@ void launch(const WArgs& a, cudaStream_t stream) {
   check_launch("indexer_wgmma_kernel");
 }
 
-// Tokens per wgmma chain: the most of 4, 2, 1 that divides G with at most `cols` columns.
-constexpr int chain_tokens(int G, int cols_per_token, int cols) {
-  return G % 4 == 0 && 4 * cols_per_token <= cols ? 4 : G % 2 == 0 && 2 * cols_per_token <= cols ? 2 : 1;
-}
-
 template <int H, int TERMS, int G, int S>
 void launch_chain(const WArgs& a, int cols, cudaStream_t stream) {
-  constexpr int NT = H * TERMS;
+  constexpr int NT = H * q_cols(TERMS);
   if constexpr (G > 1) {
     if (chain_tokens(G, NT, cols) == 4) {
       if constexpr (chain_tokens(G, NT, 256) == 4) return launch<H, TERMS, G, S, 4>(a, stream);
@@ -415,8 +482,12 @@ void launch_g(const WArgs& a, int G, int cols, cudaStream_t stream) {
     case 2: launch_chain<H, TERMS, 2, S>(a, cols, stream); break;
     default:
       switch (single_stages()) {
-        case 6: launch<H, TERMS, 1, 6, 1>(a, stream); break;
-        case 5: launch<H, TERMS, 1, 5, 1>(a, stream); break;
+        case 6:
+          if constexpr (TERMS <= 2) return launch<H, TERMS, 1, 6, 1>(a, stream);
+          [[fallthrough]];
+        case 5:
+          if constexpr (TERMS <= 2) return launch<H, TERMS, 1, 5, 1>(a, stream);
+          [[fallthrough]];
         default: launch<H, TERMS, 1, S, 1>(a, stream); break;
       }
   }
@@ -444,14 +515,17 @@ void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* 
     shift = 0;
     while ((1 << shift) < page_size) ++shift;
   }
-  const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
-                entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, 1,
-                env_int("DEEPFUSE_INDEXER_GATHER", 0, 1, kRowGather)};
   int G = indexer_rows_per_cta(N, num_reqs);
   const bool prefill = G == 4 && N >= 8 * num_reqs;
-  if (prefill) G = prefill_group();
+  G = prefill ? prefill_group() : decode_group(G);
+  const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
+                entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, max_tiles_per_cta(prefill),
+                env_int("DEEPFUSE_INDEXER_GATHER", 0, 1, kRowGather), env_int("DEEPFUSE_INDEXER_PROBE", 0, 7, 0)};
   const int cols = G > 1 ? chain_cols(prefill) : 0;
-  if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, G, cols, stream);
+  // DEEPFUSE_INDEXER_QK2 (H 64): the two q terms along K (q mode 3 above) instead of as columns
+  const bool qk2 = H == 64 && q_terms == 2 && env_int("DEEPFUSE_INDEXER_QK2", 0, 1, kQK2) == 1;
+  if (qk2) launch_g<64, 3, kStages>(a, G, cols, stream);
+  else if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, G, cols, stream);
   else if (H == 64 && q_terms == 1) launch_g<64, 1, kStages>(a, G, cols, stream);
   else if (H == 32 && q_terms == 2) launch_g<32, 2, kStages>(a, G, cols, stream);
   else if (H == 32 && q_terms == 1) launch_g<32, 1, kStages>(a, G, cols, stream);

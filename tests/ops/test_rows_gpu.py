@@ -198,8 +198,15 @@ def _indexer_absref(q, wts, pages, ps, entry, token_req, scale):
     """scale * s_e * sum_h |w_h| sum_d |q_hd code_ed| (the FP8 tensor cores' error scale)."""
     from deepfuse.ops.indexer import _paged_keys
 
-    k = _paged_keys(pages, ps, entry[token_req])  # [N, C, Di] fp32 (code * s_e)
-    return torch.einsum("nhd,ncd->nhc", q.float().abs(), k.abs()).mul(wts.abs()[:, :, None]).sum(1) * scale
+    N, C = token_req.shape[0], entry.shape[1]
+    out = torch.empty(N, C, dtype=torch.float32, device=q.device)
+    step = max(1, (1 << 26) // max(1, C * q.shape[1]))  # tokens per chunk: [step, H, C] fp32 at most 256 MB
+    for t0 in range(0, N, step):
+        t1 = min(N, t0 + step)
+        k = _paged_keys(pages, ps, entry[token_req[t0:t1]])  # [n, C, Di] fp32 (code * s_e)
+        out[t0:t1] = torch.einsum("nhd,ncd->nhc", q[t0:t1].float().abs(), k.abs()).mul(
+            wts[t0:t1].abs()[:, :, None]).sum(1) * scale
+    return out
 
 
 def _entries(pages, ps, B, C, g, order):
@@ -352,6 +359,19 @@ def test_indexer_logits_paged_prefill(lens, C, H, q_fp8, chain, group, tiles, mo
     _check_indexer(req, nv, len(lens), C, g, H=H, q_fp8=q_fp8, order="paged")
 
 
+@pytest.mark.parametrize("q_fp8", [False, True])
+def test_indexer_logits_paged_prefill_long_ctas(q_fp8, monkeypatch):
+    """A prefill launch large enough that the default cap (up to 128 tiles per CTA in prefill
+    launches; decode 32) sets the CTAs' tile runs above 32: 1024 tokens of one request x 24576
+    entries (256 groups x 384 tiles over about four waves of 2 (exact q) or 3 (q_fp8) resident
+    CTAs per SM: 94 or 63 tiles per CTA), causal n_vis; the bound, poisoned out and bits against one token per CTA."""
+    for v in ("DEEPFUSE_INDEXER_MAX_TILES", "DEEPFUSE_INDEXER_CHAIN_PREFILL", "DEEPFUSE_INDEXER_PREFILL_G"):
+        monkeypatch.delenv(v, raising=False)
+    g = _g(1024 + q_fp8)
+    req, nv = _prefill_tokens([1024], 24576)
+    _check_indexer(req, nv, 1, 24576, g, q_fp8=q_fp8, order="paged")
+
+
 @pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
 def test_indexer_chain_same_bits(H, q_fp8, monkeypatch):
     """Tokens chained in one wgmma (DEEPFUSE_INDEXER_CHAIN / _CHAIN_PREFILL 128, 256) give the bits
@@ -378,6 +398,74 @@ def test_indexer_chain_same_bits(H, q_fp8, monkeypatch):
             outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
         for o, cols in zip(outs[1:], ("128", "256")):
             assert torch.equal(outs[0], o), f"next_n {n}, {cols} columns: {(outs[0] != o).sum().item()} values differ"
+
+
+@pytest.mark.parametrize("case", ["n1", "n2", "n3", "n4", "n6", "prefill", "chunks", "ps48", "edges"])
+def test_indexer_qk2(case, monkeypatch):
+    """The two q terms along K (DEEPFUSE_INDEXER_QK2=1, H 64, exact q): decode with 1-6 tokens per
+    request (ragged n_vis), prefill launches (one request, chunks of several), page size 48, q
+    rows of extreme magnitudes; the bound, poisoned out and bits against one token per CTA."""
+    monkeypatch.setenv("DEEPFUSE_INDEXER_QK2", "1")
+    g = _g(len(case) * 31 + ord(case[-1]))
+    if case.startswith("n"):
+        n = int(case[1:])
+        for B, C in ((1, 8192), (7, 700), (33, 2049)):
+            req = torch.arange(B, device=DEV).repeat_interleave(n)
+            nv = torch.randint(0, C + 1, (B * n,), generator=g, device=DEV).to(torch.int32)
+            nv[0] = C
+            _check_indexer(req, nv, B, C, g, order="paged" if B > 1 else "random")
+    elif case in ("prefill", "chunks"):
+        lens, C = ([301], 4100) if case == "prefill" else ([150, 77, 200, 9], 700)
+        req, nv = _prefill_tokens(lens, C)
+        _check_indexer(req, nv, len(lens), C, g, order="paged")
+    elif case == "ps48":
+        req = torch.arange(3, device=DEV).repeat_interleave(2)
+        nv = torch.tensor([900, 901, 0, 1, 450, 451], dtype=torch.int32, device=DEV)
+        _check_indexer(req, nv, 3, 901, g, ps=48, order="offset")
+    else:
+        C, ps = 300, 64
+        pages = _idx_pages(C, ps, g)
+        entry = torch.arange(C, device=DEV, dtype=torch.int64)[None]
+        q = _randn(4, 64, 128, g=g).float()
+        q[0, 0] = 0.0
+        q[0, 1] *= 2.0 ** -60
+        q[0, 2] *= 2.0 ** 60
+        q[0, 3, :64] *= 2.0 ** -10
+        q[2, 5, ::3] *= 2.0 ** -7  # a third of the dims near the lo term's exact limit
+        q[1] *= 2.0 ** -100
+        q = q.to(torch.bfloat16)
+        wts = torch.rand(4, 64, generator=g, device=DEV)
+        req = torch.zeros(4, dtype=torch.int64, device=DEV)
+        nv = torch.full((4,), C, dtype=torch.int32, device=DEV)
+        out = ops.indexer_logits_paged(q, wts, pages, ps, entry, req, nv, 1.0)
+        ref = indexer_logits_paged_ref(q, wts, pages, ps, entry, req, nv, 1.0)
+        absref = _indexer_absref(q, wts, pages, ps, entry, req, 1.0)
+        assert torch.isfinite(out).all()
+        err = (out - ref).abs()
+        assert (err <= 2.0 ** -9 * absref + 1e-30).all(), f"max err / absref {(err / absref).max()}"
+
+
+@pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, True)])
+def test_indexer_decode_group_same_bits(H, q_fp8, monkeypatch):
+    """Decode groups capped at 2 or 1 tokens per CTA (DEEPFUSE_INDEXER_DECODE_G) give the bits of
+    the default groups (up to 4): next_n 2-6, ragged n_vis, one request with nothing visible."""
+    g = _g(5 * H + q_fp8)
+    C, ps = 1100, 64
+    pages = _idx_pages(5 * C + 5 * ps, ps, g)
+    for n in (2, 3, 4, 5, 6):
+        B = 5
+        req = torch.arange(B, device=DEV).repeat_interleave(n)
+        nv = torch.randint(0, C + 1, (B * n,), generator=g, device=DEV).to(torch.int32)
+        nv[n:2 * n] = 0
+        entry = _entries(pages, ps, B, C, g, "paged")
+        q = _randn(req.shape[0], H, 128, g=g)
+        w = torch.randn(req.shape[0], H, generator=g, device=DEV)
+        outs = []
+        for cap in ("4", "2", "1"):
+            monkeypatch.setenv("DEEPFUSE_INDEXER_DECODE_G", cap)
+            outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
+        for o, cap in zip(outs[1:], ("2", "1")):
+            assert torch.equal(outs[0], o), f"next_n {n}, at most {cap} tokens per CTA: {(outs[0] != o).sum().item()} differ"
 
 
 @pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
@@ -552,4 +640,42 @@ def test_indexer_sanitize_groups():
                                           torch.tensor(req, device=DEV),
                                           torch.tensor(nv, dtype=torch.int32, device=DEV), 0.1, q_fp8=q_fp8)
             assert sc.shape == (n, 70)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.sanitize
+def test_indexer_sanitize_qk2(monkeypatch):
+    """The two q terms along K (DEEPFUSE_INDEXER_QK2=1): decode groups of 1-4 tokens, groups
+    spanning requests, prefill groups (19 tokens of 2 requests), page-ordered and random entries."""
+    monkeypatch.setenv("DEEPFUSE_INDEXER_QK2", "1")
+    g = _g(96)
+    ps = 16
+    kp = _idx_pages(2 * 70, ps, g)
+    rnd = torch.randperm(kp.shape[0] * ps, generator=g, device=DEV)[:140].view(2, 70).to(torch.int64)
+    paged = _entries(kp, ps, 2, 70, g, "paged")
+    paged[1, 40] = -1
+    for entry in (rnd, paged):
+        for req, nv in (([0], [70]), ([0, 0], [69, 70]), ([0, 0, 0, 0], [70, 3, 0, 66]), ([0, 1, 0, 1], [70, 70, 9, 0]),
+                        ([0] * 13 + [1] * 6, list(range(50, 63)) + [70, 0, 5, 64, 65, 70])):
+            n = len(req)
+            sc = ops.indexer_logits_paged(_randn(n, 64, 128, g=g), torch.rand(n, 64, device=DEV), kp, ps, entry,
+                                          torch.tensor(req, device=DEV),
+                                          torch.tensor(nv, dtype=torch.int32, device=DEV), 0.1)
+            assert sc.shape == (n, 70)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.sanitize
+def test_indexer_sanitize_prefill_long_ctas():
+    """A prefill launch whose CTAs take more than 32 tiles each with the default cap (1024 tokens
+    x 24576 page-ordered entries, causal n_vis, a -1 slot; exact q: 94 tiles per CTA)."""
+    g = _g(97)
+    ps, C = 64, 24576
+    kp = _idx_pages(C + 2 * ps, ps, g)
+    entry = _entries(kp, ps, 1, C, g, "paged")
+    entry[0, 7] = -1
+    req, nv = _prefill_tokens([1024], C)
+    sc = ops.indexer_logits_paged(_randn(1024, 64, 128, g=g), torch.rand(1024, 64, device=DEV), kp, ps, entry, req,
+                                  nv, 0.1)
+    assert sc.shape == (1024, C)
     torch.cuda.synchronize()
