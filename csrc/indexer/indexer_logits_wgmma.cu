@@ -36,6 +36,7 @@ constexpr int kChainDecode = 256, kChainPrefill = 256;  // chain_cols() without 
 constexpr int kStagesSingle = 4;  // single_stages() without DEEPFUSE_INDEXER_STAGES
 constexpr int kRowGather = 1;      // DEEPFUSE_INDEXER_GATHER's default
 constexpr int kQK2 = 0;            // DEEPFUSE_INDEXER_QK2's default (q mode 3: two q terms along K)
+constexpr int kL2Hint = 0;         // DEEPFUSE_INDEXER_L2HINT's default
 
 struct WArgs {
   const __nv_bfloat16* q;
@@ -54,6 +55,7 @@ struct WArgs {
   int tiles_per_cta;  // launch(): the cap in, the CTA's tile count out
   int row_gather;  // the gather's row mapping (rows_pass); DEEPFUSE_INDEXER_GATHER
   int probe;       // DEEPFUSE_INDEXER_PROBE (timing only, wrong scores): kProbe* bits
+  int l2_hint;     // DEEPFUSE_INDEXER_L2HINT: 0 none, 1 / 2 the key copies prefetch 128 / 256 bytes into L2
 };
 
 // Measurement probes (DEEPFUSE_INDEXER_PROBE, a kernel variant of its own: the default kernels do
@@ -65,6 +67,15 @@ constexpr int kProbeNoGather = 4;  // no key copies: the tiles keep what shared 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+// the same with an L2 prefetch of the 128- / 256-byte block around src (DEEPFUSE_INDEXER_L2HINT 1 / 2)
+__device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, bool ok, int hint) {
+  if (hint == 1)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+  else if (hint == 2)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+  else
+    cp_async16(dst, src, ok);
 }
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
@@ -187,7 +198,8 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     const uint8_t* src = ok ? pbase + prow * kRow : a.pages;
 #pragma unroll
     for (int i = 0; i < nc; ++i)
-      cp_async16(keys_u32 + stage * kTileBytes + swz(row, c0 + i), ok ? src + (c0 + i) * 16 : a.pages, ok);
+      cp_async16_hint(keys_u32 + stage * kTileBytes + swz(row, c0 + i), ok ? src + (c0 + i) * 16 : a.pages, ok,
+                      a.l2_hint);
     if (scale)
       cp_async4(ks_u32 + (stage * kTile + row) * 4, ok ? pbase + int64_t(a.page_size) * kRow + prow * 4 : a.pages,
                 ok);
@@ -396,7 +408,7 @@ int env_int(const char* name, int lo, int hi, int dflt) {
 // Tiles per CTA at most: decode 32 (ragged lengths: the CTAs of a long request must not finish
 // alone), prefill 128 (one request's keys for many groups: fewer q quantisations and pipeline fills;
 // T 1024 x C 32K 1.05-1.07x faster than 32).
-constexpr int kMaxTilesDecode = 32, kMaxTilesPrefill = 32;  // prefill 128: being validated
+constexpr int kMaxTilesDecode = 32, kMaxTilesPrefill = 32;
 int max_tiles_per_cta(bool prefill) {
   return env_int("DEEPFUSE_INDEXER_MAX_TILES", 8, 256, prefill ? kMaxTilesPrefill : kMaxTilesDecode);
 }
@@ -520,7 +532,8 @@ void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* 
   G = prefill ? prefill_group() : decode_group(G);
   const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
                 entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, max_tiles_per_cta(prefill),
-                env_int("DEEPFUSE_INDEXER_GATHER", 0, 1, kRowGather), env_int("DEEPFUSE_INDEXER_PROBE", 0, 7, 0)};
+                env_int("DEEPFUSE_INDEXER_GATHER", 0, 1, kRowGather), env_int("DEEPFUSE_INDEXER_PROBE", 0, 7, 0),
+                env_int("DEEPFUSE_INDEXER_L2HINT", 0, 2, kL2Hint)};
   const int cols = G > 1 ? chain_cols(prefill) : 0;
   // DEEPFUSE_INDEXER_QK2 (H 64): the two q terms along K (q mode 3 above) instead of as columns
   const bool qk2 = H == 64 && q_terms == 2 && env_int("DEEPFUSE_INDEXER_QK2", 0, 1, kQK2) == 1;
