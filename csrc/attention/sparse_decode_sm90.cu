@@ -17,6 +17,9 @@ constexpr bool kSparseDecodeCluster = true;
 // Split-KV partials reduced inside a cluster of the row's splits (kRed) instead of the workspace and
 // the combine launch, for 2 <= splits <= kMaxRed; H 128 then runs as two independent 64-head CTAs.
 constexpr bool kSparseDecodeReduce = false;
+// One split and more CTAs than fit at once: persistent CTAs (one wave; each takes rows t, t + grid, ..)
+// with the split softmax (kPersist).
+constexpr bool kSparseDecodePersist = false;
 
 bool sparse_decode_covers(const AttnParams& p) {
   if (p.G != 1 || (p.H != 64 && p.H != 128)) return false;
@@ -33,7 +36,7 @@ bool sparse_decode_enabled() {
 
 namespace {
 
-template <int C, bool kSplit, bool kKeys, bool kRed>
+template <int C, bool kSplit, bool kKeys, bool kRed, bool kPersist = false>
 void launch_cluster(const AttnParams& p, dim3 grid, dim3 cluster, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
@@ -47,7 +50,7 @@ void launch_cluster(const AttnParams& p, dim3 grid, dim3 cluster, cudaStream_t s
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<C, kSplit, kKeys, kRed>, p),
+  check_cuda(cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<C, kSplit, kKeys, kRed, kPersist>, p),
              "sparse_attention (wgmma): cluster launch");
 }
 
@@ -78,6 +81,12 @@ bool reduce_fits(int dev, int splits, int split_mode) {
 
 }  // namespace
 
+bool sparse_decode_persist_enabled() {
+  const char* e = std::getenv("DEEPFUSE_SPARSE_DECODE_PERSIST");
+  if (e == nullptr || e[0] == '\0') return kSparseDecodePersist;
+  return std::strcmp(e, "0") != 0;
+}
+
 bool sparse_decode_reduce_enabled() {
   const char* e = std::getenv("DEEPFUSE_SPARSE_DECODE_REDUCE");
   if (e == nullptr || e[0] == '\0') return kSparseDecodeReduce;
@@ -94,7 +103,9 @@ bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
                           (const void*)attn_wg::sparse_decode_kernel<1, true, true>,
                           (const void*)attn_wg::sparse_decode_kernel<2, true, true>,
                           (const void*)attn_wg::sparse_decode_kernel<1, true, false, true>,
-                          (const void*)attn_wg::sparse_decode_kernel<1, true, true, true>})
+                          (const void*)attn_wg::sparse_decode_kernel<1, true, true, true>,
+                          (const void*)attn_wg::sparse_decode_kernel<1, true, false, false, true>,
+                          (const void*)attn_wg::sparse_decode_kernel<2, true, false, false, true>})
       check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, attn_wg::kSmemBytes),
                  "sparse_attention (wgmma): smem attribute");
     for (const void* f : {(const void*)attn_wg::sparse_decode_kernel<1, true, false, true>,
@@ -124,6 +135,20 @@ bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
       launch_cluster<1, true, false, true>(p, grid, cluster, stream);
     check_launch("sparse_attention (wgmma, split reduction)");
     return true;
+  }
+  // Persistent CTAs (DEEPFUSE_SPARSE_DECODE_PERSIST=1, off by default): one split, the split softmax,
+  // more cluster units (rows x 64-head blocks / C) than fit in one wave.
+  const int cu = cl ? 2 : 1;
+  const int64_t units = static_cast<int64_t>(p.T) * (p.H / 64) / cu;
+  const int64_t wave = num_sms() / cu;
+  if (p.splits == 1 && split == 1 && units > wave && sparse_decode_persist_enabled()) {
+    const dim3 pg(static_cast<unsigned>(wave * cu), 1, 1);
+    if (cl)
+      launch_cluster<2, true, false, false, true>(p, pg, dim3(2, 1, 1), stream);
+    else
+      attn_wg::sparse_decode_kernel<1, true, false, false, true><<<pg, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
+    check_launch("sparse_attention (wgmma, persistent)");
+    return false;
   }
   if (!cl) {
     if (split == 2)

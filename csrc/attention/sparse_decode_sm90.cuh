@@ -282,8 +282,11 @@ __device__ __forceinline__ void wgmma_rs_m64n256k16_tb(float (&d)[128], uint32_t
 // QK itself split by keys (warpgroup w: keys 32 w .. 32 w + 31 over all 512 dims), so only the row
 // maxima and the P halves are exchanged. kRed (C = 1, splits > 1): the P.splits CTAs of a row form a
 // cluster (rank = split) and reduce their partial outputs through DSMEM instead of the workspace and
-// sparse_attn_combine_kernel.
-template <int C, bool kSplit, bool kKeys = false, bool kRed = false>
+// sparse_attn_combine_kernel. kPersist (one split): each cluster of C CTAs takes work items (row t)
+// u, u + U, .. (U clusters in the grid); the mbarrier phases run on over the items, so the producer
+// fills the next item's first stages while the consumers finish the last one; the output is staged
+// in the Q tile (free after the item's last QK).
+template <int C, bool kSplit, bool kKeys = false, bool kRed = false, bool kPersist = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid_constant__ AttnParams P) {
 #if DEEPFUSE_SM90A_DEVICE
   static_assert(C == 1 || C == 2, "cluster size");
@@ -293,9 +296,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   const uint32_t sb = smem_u32(sm);
   const uint32_t full0 = sb + kBarOff, empty0 = sb + kBarOff + 16, rfull0 = sb + kBarOff + 32;
   const int tid = threadIdx.x;
+  static_assert(!(kRed && kPersist), "one split per item when persistent");
   const int HT = P.H / 64;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) / HT;
-  const int head0 = static_cast<int>(blockIdx.x % HT) * 64;
+  // Work items of this CTA: cluster units u = unit0, unit0 + ustride, .. < n_units (one, the CTA's
+  // own, unless kPersist); CTA index gx = u * C + rank -> row t, heads head0 ...
+  // (T * H / 64 < 2^31: the launch's grid.x bound)
+  const int n_units = kPersist ? P.T * HT / C : 1;
+  const int unit0 = kPersist ? static_cast<int>(blockIdx.x) / C : 0;
+  const int ustride = kPersist ? static_cast<int>(gridDim.x) / C : 1;
+  int64_t t = static_cast<int64_t>(blockIdx.x) / HT;  // (the item without kPersist)
+  int head0 = static_cast<int>(blockIdx.x % HT) * 64;
+  auto item_of = [&](int u) {
+    if constexpr (kPersist) {
+      const int gx = u * C + static_cast<int>(blockIdx.x) % C;
+      t = gx / HT;
+      head0 = (gx % HT) * 64;
+    }
+  };
   // C = 2 (H = 128): the two CTAs of row t (cluster ranks = head halves) each dequantise half of
   // every block's keys into both CTAs' tiles.
   const int crank = C == 2 ? static_cast<int>(blockIdx.x & 1) : 0;
@@ -330,6 +347,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     const int q = tid & (TPK - 1);
     const int key = crank * (64 / C) + (tid >> C);
     const int mkey = tid >> 1;  // the mask byte this thread pair writes (every key of the block)
+    int gb = 0;  // blocks of earlier items: block i of this item is the CTA's block gb + i (stage, phase)
+    for (int u = unit0; u < n_units; u += ustride, gb += nb) {
+    item_of(u);
     int len[2];
 #pragma unroll
     for (int si = 0; si < 2; ++si) {
@@ -392,7 +412,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     // Block i: its slot in cur (reloaded with block i + 3's), block i + 2's in n2 (prefetched),
     // C = 2: the mask key's slot of block i in mcur (reloaded with block i + 3's).
     auto step = [&](int i, RawSlot& cur, const RawSlot& n2, RawSlot& mcur) {
-      const int s = i & 1;
+      const int gi = gb + i;
+      const int s = gi & 1;
       prefetch(i + 2, n2);
       const uint8_t *rowp = P.src[0].base, *sclp = nullptr;  // (a valid address, never read, when skipped)
       const bool valid = row_of(i, key, slot_of(i, key, cur), rowp, sclp);
@@ -418,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
           for (int jj = 0; jj < NR; ++jj) rope[jj] = make_uint4(0, 0, 0, 0);
         }
       }
-      if (i >= 2) mbar_wait(empty0 + 8 * s, ((i >> 1) + 1) & 1);
+      if (gi >= 2) mbar_wait(empty0 + 8 * s, ((gi >> 1) + 1) & 1);
       uint8_t* kt = sm + kKOff + s * kTile;
       const uint32_t rbar = C == 2 ? mapa(rfull0 + 8 * s, crank ^ 1) : 0;
       const uint32_t rkt = peer_sb + kKOff + s * kTile;
@@ -472,6 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       if (i + 1 < nb) step(i + 1, a1, a0, b1);
       if (i + 2 < nb) step(i + 2, a2, a1, b2);
     }
+    }  // items
     if (C == 2) cluster_sync_all();  // no CTA leaves while its peer may still address it
     if (kRed) {  // the consumers' two cluster barriers of the reduction
       cluster_sync_all();
@@ -482,6 +504,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
 
   // ------------------------------------------------------------------ consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  int gb = 0;
+  for (int u = unit0; u < n_units; u += ustride, gb += nb) {
+  item_of(u);
   // Q tile (64 heads x 512) -> shared memory, swizzled, by the consumers while the producer
   // starts on the first blocks.
 #pragma unroll
@@ -518,14 +543,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   auto issue_qk = [&](int i) {
     if constexpr (kKeys) {  // S[:, keys 32 w ..] over all 512 dims: A = Q, B = rows 32 w .. of the key tile
       const uint64_t dqa = desc_k(sb + kQOff);
-      const uint64_t dk0 = desc_k(sb + kKOff + (i & 1) * kTile + w * 4096);
+      const uint64_t dk0 = desc_k(sb + kKOff + ((gb + i) & 1) * kTile + w * 4096);
 #pragma unroll
       for (int ks = 0; ks < 32; ++ks) {
         const uint32_t off = ((ks >> 2) * kSub + (ks & 3) * 32) >> 4;
         wgmma_ss_m64n32k16(sc, dqa + off, dk0 + off, ks > 0 ? 1 : 0);
       }
     } else {
-      const uint64_t dk0 = desc_k(sb + kKOff + (i & 1) * kTile + 4 * w * kSub);
+      const uint64_t dk0 = desc_k(sb + kKOff + ((gb + i) & 1) * kTile + 4 * w * kSub);
 #pragma unroll
       for (int ks = 0; ks < 16; ++ks) {
         const uint32_t off = ((ks >> 2) * kSub + (ks & 3) * 32) >> 4;
@@ -535,8 +560,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   };
   // Block i's tile is complete when this CTA's producer arrived (and, C = 2, the peer's bytes landed).
   auto wait_full = [&](int i) {
-    mbar_wait(full0 + 8 * (i & 1), (i >> 1) & 1);
-    if (C == 2) mbar_wait(rfull0 + 8 * (i & 1), (i >> 1) & 1);
+    const int gi = gb + i;
+    mbar_wait(full0 + 8 * (gi & 1), (gi >> 1) & 1);
+    if (C == 2) mbar_wait(rfull0 + 8 * (gi & 1), (gi >> 1) & 1);
   };
   if (nb > 0) {
     wait_full(0);
@@ -550,7 +576,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   // Block i: S_w(i) is in sc. Exchange, softmax, then PV(i) and QK(i + 1) back to back on the
   // tensor cores (one wait for both).
   for (int i = 0; i < nb; ++i) {
-    const int s = i & 1;
+    const int s = (gb + i) & 1;
     const uint32_t kt = sb + kKOff + s * kTile;
     uint32_t pa[16];
     if constexpr (!kSplit) {
@@ -662,7 +688,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     mbar_arrive(empty0 + 8 * s);
     if (C == 2 && lt == 0) mbar_arrive_remote(mapa(empty0 + 8 * s, crank ^ 1));  // (the whole warpgroup's MMAs are done)
   }
-  if (C == 2) cluster_sync_all();  // no CTA leaves while its peer may still address it
+  if (C == 2 && !kPersist) cluster_sync_all();  // no CTA leaves while its peer may still address it
 
   if constexpr (kSplit) {  // each warpgroup summed the weights of its own keys
     float2* xm = reinterpret_cast<float2*>(sm + kXOff + 16384);
@@ -730,14 +756,17 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   uint8_t* stage = nullptr;
   if (P.splits == 1) {
     named_bar(3, 256);
-    stage = sm + kKOff;
+    stage = sm + (kPersist ? kQOff : kKOff);  // (kPersist: the producer may be filling the key stages)
   }
   attn_dev::write_output(P, t, hrow, w, qd, m_run, l_run,
                          [&](int j, int i, int k) -> float& { return o[4 * j + 2 * i + k]; }, stage, head0);
   if (stage != nullptr) {
     named_bar(3, 256);
     attn_dev::store_staged(P, t, head0, stage, tid - 128, 256);
+    if (kPersist) named_bar(3, 256);  // the tile read out before the next item's Q lands there
   }
+  }  // items
+  if (C == 2 && kPersist) cluster_sync_all();  // no CTA leaves while its peer may still address it
 #else
   __trap();
 #endif

@@ -8,6 +8,8 @@ warpgroups split the softmax by keys unless DEEPFUSE_SPARSE_DECODE_SPLIT=0 (test
 DEEPFUSE_SPARSE_DECODE_SPLIT=2 splits QK itself by keys (test_key_split_qk). DEEPFUSE_SPARSE_DECODE_REDUCE=1
 merges the split-KV partials inside a cluster of a row's splits instead of the combine kernel
 (test_split_reduce, test_split_reduce_matches_combine, graph and sanitize cases).
+DEEPFUSE_SPARSE_DECODE_PERSIST=1 runs one-split calls of more rows than one wave on persistent CTAs
+(test_persistent, sanitize cases).
 
 Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
 docstring): fresh random caches written by kv_store into NaN-poisoned pages, -1 holes,
@@ -29,6 +31,7 @@ from test_attention_paged import _run_case, make_cache, make_indices
 ENV = "DEEPFUSE_SPARSE_DECODE"
 ENV_CLUSTER = "DEEPFUSE_SPARSE_DECODE_CLUSTER"
 ENV_REDUCE = "DEEPFUSE_SPARSE_DECODE_REDUCE"
+ENV_PERSIST = "DEEPFUSE_SPARSE_DECODE_PERSIST"
 
 
 @pytest.fixture
@@ -36,6 +39,7 @@ def wg(monkeypatch):
     monkeypatch.setenv(ENV, "1")
     monkeypatch.delenv(ENV_CLUSTER, raising=False)  # the built-in defaults unless a test sets them
     monkeypatch.delenv(ENV_REDUCE, raising=False)
+    monkeypatch.delenv(ENV_PERSIST, raising=False)
     monkeypatch.delenv("DEEPFUSE_SPARSE_DECODE_SPLIT", raising=False)
 
 
@@ -173,6 +177,25 @@ def test_split_reduce_matches_combine(wg, monkeypatch, H, splits, out_format):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dict(H=64, T=300, K1=128, K2=512, ps=(16, 64)),                              # 300 items on 132 CTAs
+    dict(H=128, T=150, K1=128, K2=512, out_format="mxfp8", oob=True),            # the 2-CTA cluster, 66 units
+    dict(H=64, T=200, K1=129, K2=300, idx64=True, splits=1),                     # ragged block ends
+    dict(H=128, T=140, K1=64, K2=200, cluster="0"),                              # 280 items, no cluster
+    dict(H=64, T=150, K1=5, K2=0, splits=1),                                     # one short block per item
+])
+def test_persistent(wg, monkeypatch, case):
+    """DEEPFUSE_SPARSE_DECODE_PERSIST=1: one split and more rows than one wave: each CTA (or 2-CTA
+    cluster) takes rows t, t + grid, .., its mbarrier phases running on over them; the same bounds."""
+    case = dict(case)
+    monkeypatch.setenv(ENV_PERSIST, "1")
+    cl = case.pop("cluster", None)
+    if cl is not None:
+        monkeypatch.setenv(ENV_CLUSTER, cl)
+    _run_case(G=1, **case, seed=len(str(case)) + 29)
+
+
+@pytest.mark.gpu
 def test_switch_selects_the_kernel(monkeypatch):
     """Both kernels pass the same bounds; their fp32 summation orders differ, so the bf16 outputs
     differ in some elements: the switch reaches the launcher."""
@@ -255,6 +278,8 @@ def test_cuda_graph(wg, monkeypatch, H, cluster, reduce):
     dict(H=128, T=3, K1=128, K2=200, out_format="mxfp8", split="2"),
     dict(H=64, T=2, K1=128, K2=512, splits=10, reduce="1"),
     dict(H=128, T=3, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8", reduce="1"),
+    dict(H=64, T=140, K1=40, K2=70, splits=1, oob=True, persist="1"),
+    dict(H=128, T=70, K1=64, K2=64, splits=1, out_format="mxfp8", persist="1"),
 ])
 def test_sanitize(wg, monkeypatch, case):
     case = dict(case)
@@ -267,4 +292,7 @@ def test_sanitize(wg, monkeypatch, case):
     rd = case.pop("reduce", None)
     if rd is not None:
         monkeypatch.setenv(ENV_REDUCE, rd)
+    pe = case.pop("persist", None)
+    if pe is not None:
+        monkeypatch.setenv(ENV_PERSIST, pe)
     _run_case(G=1, **case, seed=3)
