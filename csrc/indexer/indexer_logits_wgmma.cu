@@ -32,11 +32,21 @@ constexpr int kTile = 64;    // entries per tile (wgmma M)
 constexpr int kRow = 128;    // bytes per key row (K)
 constexpr int kTileBytes = kTile * kRow;
 constexpr int kStages = 4;   // key tiles per CTA: 3 in flight while one is computed
-constexpr int kChainDecode = 256, kChainPrefill = 256;  // chain_cols() without its environment variables
-constexpr int kStagesSingle = 4;  // single_stages() without DEEPFUSE_INDEXER_STAGES
-constexpr int kRowGather = 1;      // DEEPFUSE_INDEXER_GATHER's default
-constexpr int kQK2 = 0;            // DEEPFUSE_INDEXER_QK2's default (q mode 3: two q terms along K)
-constexpr int kL2Hint = 0;         // DEEPFUSE_INDEXER_L2HINT's default
+
+// The launcher's choices and their defaults; each has an environment variable, read per call
+// (Switches below: benchmarks and tests toggle them; the defaults are the kernel's behaviour).
+constexpr int kChainDecode = 256;     // DEEPFUSE_INDEXER_CHAIN: columns per wgmma chain, decode groups
+constexpr int kChainPrefill = 256;    // DEEPFUSE_INDEXER_CHAIN_PREFILL: the same, prefill launches
+constexpr int kMaxTilesDecode = 32;   // DEEPFUSE_INDEXER_MAX_TILES (8-256): tiles per CTA at most, decode
+constexpr int kMaxTilesPrefill = 32;  //   and prefill launches (one variable sets both)
+constexpr int kPrefillG = 4;          // DEEPFUSE_INDEXER_PREFILL_G (2 / 4): tokens per CTA, prefill
+constexpr int kDecodeG = 4;           // DEEPFUSE_INDEXER_DECODE_G (1-4): tokens per CTA at most, decode
+constexpr int kStagesSingle = 4;      // DEEPFUSE_INDEXER_STAGES (4 / 5 / 6): key stages, one-token CTAs
+constexpr int kRowGather = 1;         // DEEPFUSE_INDEXER_GATHER (0 / 1): the key gather's thread mapping
+constexpr int kQK2 = 0;               // DEEPFUSE_INDEXER_QK2 (0 / 1): exact q's two terms along K (H 64)
+constexpr int kL2Hint = 0;            // DEEPFUSE_INDEXER_L2HINT (0 / 1 / 2): L2 prefetch of the key copies
+constexpr int kSplitWait = 0;         // DEEPFUSE_INDEXER_SPLIT (0 / 1): groups of 4 as two chains, split waits
+// DEEPFUSE_INDEXER_PROBE (0-7, default 0): timing-only kernel variants (kProbe* below).
 
 struct WArgs {
   const __nv_bfloat16* q;
@@ -56,6 +66,7 @@ struct WArgs {
   int row_gather;  // the gather's row mapping (rows_pass); DEEPFUSE_INDEXER_GATHER
   int probe;       // DEEPFUSE_INDEXER_PROBE (timing only, wrong scores): kProbe* bits
   int l2_hint;     // DEEPFUSE_INDEXER_L2HINT: 0 none, 1 / 2 the key copies prefetch 128 / 256 bytes into L2
+  int split_wait;  // DEEPFUSE_INDEXER_SPLIT: groups of 4 as two chains of 2 tokens, both issued, waited one by one
 };
 
 // Measurement probes (DEEPFUSE_INDEXER_PROBE, a kernel variant of its own: the default kernels do
@@ -87,6 +98,15 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// wgmma.wait_group n for n known after unrolling (0-3)
+__device__ __forceinline__ void wgmma_wait_n(int n) {
+  switch (n) {
+    case 0: asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); break;
+    case 1: asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); break;
+    case 2: asm volatile("wgmma.wait_group.sync.aligned 2;\n" ::: "memory"); break;
+    default: asm volatile("wgmma.wait_group.sync.aligned 3;\n" ::: "memory"); break;
+  }
+}
 __device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -140,7 +160,7 @@ struct Layout {
 // Tokens n0 .. n0 + R - 1 (all of request `req`) against entries [e_begin, e_end). Per tile, the
 // tokens run in jobs of TPJ consecutive tokens: one wgmma chain over their B tiles (contiguous:
 // N = TPJ * H * TERMS columns), then the head sums of each token from the one accumulator.
-template <int H, int TERMS, int G, int R, int S, int TPJ, bool PROBE = false>
+template <int H, int TERMS, int G, int R, int S, int TPJ, bool PROBE = false, bool SW = false>
 __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n0, int64_t req, int e_begin,
                                           int e_end) {
   using L = Layout<H, TERMS, G, S>;
@@ -299,19 +319,27 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     fence_proxy_async();
     __syncthreads();
     const uint32_t ka = keys_u32 + st * kTileBytes;
-    float acc[N / 2];
+    // SW: the chains of all J jobs issued at once into J accumulators, each waited for before its
+    // head sums (the later chains run while the earlier sums are computed); else one accumulator,
+    // one chain at a time
+    constexpr int NA = SW ? J : 1;
+    float acc[NA][N / 2];
     const bool mma = !PROBE || !(a.probe & kProbeNoMma);
     if constexpr (PROBE) {
       if (!mma) {
 #pragma unroll
-        for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < N / 2; ++i) acc[0][i] = 0.0f;
       }
     }
     if (mma) {
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < KS; ++kk) wgmma_n<N>(acc, smem_desc(ka + 32 * (kk & 3)), smem_desc(b_addr(0, kk)), kk);
-      wgmma_commit();
+      for (int k = 0; k < NA; ++k) {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+          wgmma_n<N>(acc[k], smem_desc(ka + 32 * (kk & 3)), smem_desc(b_addr(k, kk)), kk);
+        wgmma_commit();
+      }
     }
     static_assert(TERMS == 3 || L::kQBytes == NT * kRow, "a job's B tiles are contiguous");
     // refill the stage freed by tile it - 1 while the wgmmas run
@@ -323,21 +351,23 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     const float s0 = a.scale * ksc[st * kTile + r0], s1 = a.scale * ksc[st * kTile + r1];
 #pragma unroll
     for (int k = 0; k < J; ++k) {
-      if (k > 0 && mma) {
+      float(&ac)[N / 2] = acc[SW ? k : 0];
+      if (!SW && k > 0 && mma) {
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) wgmma_n<N>(acc, smem_desc(ka + 32 * (kk & 3)), smem_desc(b_addr(k, kk)), kk);
+        for (int kk = 0; kk < KS; ++kk) wgmma_n<N>(ac, smem_desc(ka + 32 * (kk & 3)), smem_desc(b_addr(k, kk)), kk);
         wgmma_commit();
       }
-      wgmma_wait0();
-      fence_regs(acc);
+      if constexpr (SW) wgmma_wait_n(J - 1 - k);
+      else wgmma_wait0();
+      fence_regs(ac);
 #pragma unroll
       for (int u = 0; u < TPJ; ++u) {  // token r = k TPJ + u: accumulator columns u NT ..
         const int r = k * TPJ + u, c0 = u * NT / 2;
         const float* w = wq + r * H;
         float p0 = 0.0f, p1 = 0.0f;
         const int jn = PROBE && (a.probe & kProbeNoSums) ? 0 : H / 8;
-        if (jn == 0) p0 = acc[c0], p1 = acc[c0 + 2];
+        if (jn == 0) p0 = ac[c0], p1 = ac[c0 + 2];
 #pragma unroll
         for (int j = 0; j < H / 8; ++j) {
           if constexpr (PROBE) {
@@ -346,10 +376,10 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
           const float2 w2 = *reinterpret_cast<const float2*>(w + 8 * j + 2 * t);
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
-            float d0 = acc[c0 + 4 * j + b], d1 = acc[c0 + 4 * j + 2 + b];
+            float d0 = ac[c0 + 4 * j + b], d1 = ac[c0 + 4 * j + 2 + b];
             if constexpr (TERMS == 2) {
-              d0 = fmaf(acc[c0 + 4 * (j + H / 8) + b], 0.0625f, d0);
-              d1 = fmaf(acc[c0 + 4 * (j + H / 8) + 2 + b], 0.0625f, d1);
+              d0 = fmaf(ac[c0 + 4 * (j + H / 8) + b], 0.0625f, d0);
+              d1 = fmaf(ac[c0 + 4 * (j + H / 8) + 2 + b], 0.0625f, d1);
             }
             const float wb = b ? w2.y : w2.x;
             p0 = fmaf(wb, fmaxf(d0, 0.0f), p0);
@@ -368,7 +398,7 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   }
 }
 
-template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false>
+template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false, bool SW = false>
 __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) {
 #if DEEPFUSE_SM90A_DEVICE
   extern __shared__ uint8_t smem_raw[];
@@ -384,7 +414,7 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
     for (int r = 1; r < G; ++r) shared = shared && (r >= rows || __ldg(a.token_req + n0 + r) == req);
   }
   if (shared) {
-    rows_pass<H, TERMS, G, G, S, TPJ, PROBE>(a, sm, n0, req, e_begin, e_end);
+    rows_pass<H, TERMS, G, G, S, TPJ, PROBE, SW>(a, sm, n0, req, e_begin, e_end);
   } else {
     for (int r = 0; r < rows; ++r) {
       if (r) __syncthreads();
@@ -396,45 +426,59 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
 #endif
 }
 
-// Switches, read per call: DEEPFUSE_INDEXER_MAX_TILES (tiles per CTA at most, 8-256; default
-// kMaxTilesDecode / kMaxTilesPrefill), DEEPFUSE_INDEXER_PREFILL_G (tokens per CTA of prefill
-// launches: 2 or 4; default 4), DEEPFUSE_INDEXER_GATHER (1 the row mapping of the key gather, 0 the
-// chunk mapping: rows_pass).
+// The switches of one call (the constants at the top are their defaults; out-of-range values fall
+// back to them). Tiles per CTA: decode 32 (ragged lengths: the CTAs of a long request must not
+// finish alone), prefill 128 (one request's keys for many groups: fewer q quantisations and
+// pipeline fills). Chains: tokens of a group sharing one accumulator (fewer reads of the key tile
+// and fewer waits, more registers); below one token's columns (e.g. 0): one token per chain.
+// Decode groups: a smaller cap than indexer_rows_per_cta's group reads each key tile once per
+// group (the other groups from L2). Stages: more tiles in flight per one-token CTA, more shared
+// memory. Gather: 1 a row per two threads, 0 a chunk per thread over four rows (rows_pass).
 int env_int(const char* name, int lo, int hi, int dflt) {
   const char* v = std::getenv(name);
   const int x = v != nullptr ? std::atoi(v) : dflt;
   return x < lo || x > hi ? dflt : x;
 }
-// Tiles per CTA at most: decode 32 (ragged lengths: the CTAs of a long request must not finish
-// alone), prefill 128 (one request's keys for many groups: fewer q quantisations and pipeline fills;
-// T 1024 x C 32K 1.05-1.07x faster than 32).
-constexpr int kMaxTilesDecode = 32, kMaxTilesPrefill = 32;
-int max_tiles_per_cta(bool prefill) {
-  return env_int("DEEPFUSE_INDEXER_MAX_TILES", 8, 256, prefill ? kMaxTilesPrefill : kMaxTilesDecode);
-}
-int prefill_group() { return env_int("DEEPFUSE_INDEXER_PREFILL_G", 2, 4, 4) >= 4 ? 4 : 2; }
-// Tokens per CTA of decode groups at most (DEEPFUSE_INDEXER_DECODE_G, 1-4, default 4: as
-// indexer_rows_per_cta): a smaller group reads each key tile once per group (the others from L2).
-int decode_group(int G) {
-  const int cap = env_int("DEEPFUSE_INDEXER_DECODE_G", 1, 4, 4);
-  return G <= cap ? G : G % 2 == 0 && cap >= 2 ? 2 : 1;
-}
+struct Switches {
+  int chain_decode, chain_prefill, max_tiles_decode, max_tiles_prefill, prefill_g, decode_g, stages_single;
+  int row_gather, qk2, l2_hint, split_wait, probe;
+  static Switches read() {
+    Switches w;
+    w.chain_decode = env_int("DEEPFUSE_INDEXER_CHAIN", -1, 1 << 20, kChainDecode);
+    w.chain_prefill = env_int("DEEPFUSE_INDEXER_CHAIN_PREFILL", -1, 1 << 20, kChainPrefill);
+    const int mt = env_int("DEEPFUSE_INDEXER_MAX_TILES", 8, 256, 0);
+    w.max_tiles_decode = mt ? mt : kMaxTilesDecode;
+    w.max_tiles_prefill = mt ? mt : kMaxTilesPrefill;
+    w.prefill_g = env_int("DEEPFUSE_INDEXER_PREFILL_G", 2, 4, kPrefillG) >= 4 ? 4 : 2;
+    w.decode_g = env_int("DEEPFUSE_INDEXER_DECODE_G", 1, 4, kDecodeG);
+    const int st = env_int("DEEPFUSE_INDEXER_STAGES", 4, 6, kStagesSingle);
+    w.stages_single = st;
+    w.row_gather = env_int("DEEPFUSE_INDEXER_GATHER", 0, 1, kRowGather);
+    w.qk2 = env_int("DEEPFUSE_INDEXER_QK2", 0, 1, kQK2);
+    w.l2_hint = env_int("DEEPFUSE_INDEXER_L2HINT", 0, 2, kL2Hint);
+    w.split_wait = env_int("DEEPFUSE_INDEXER_SPLIT", 0, 1, kSplitWait);
+    w.probe = env_int("DEEPFUSE_INDEXER_PROBE", 0, 7, 0);
+    return w;
+  }
+  // tokens per CTA of a decode group of G (indexer_rows_per_cta) under the cap
+  int decode_group(int G) const { return G <= decode_g ? G : G % 2 == 0 && decode_g >= 2 ? 2 : 1; }
+};
 
 // Tokens per wgmma chain: the most of 4, 2, 1 that divides G with at most `cols` columns.
 constexpr int chain_tokens(int G, int cols_per_token, int cols) {
   return G % 4 == 0 && 4 * cols_per_token <= cols ? 4 : G % 2 == 0 && 2 * cols_per_token <= cols ? 2 : 1;
 }
 
-template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false>
+template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false, bool SW = false>
 void launch(const WArgs& a, cudaStream_t stream) {
   // the probes exist for H 64 at one and four tokens per CTA with the default chain (decode's
   // next_n 1 and 4, prefill)
-  if constexpr (!PROBE && H == 64 && TERMS <= 2 && (G == 1 || G == 4) && S == kStages &&
+  if constexpr (!PROBE && !SW && H == 64 && TERMS <= 2 && (G == 1 || G == 4) && S == kStages &&
                 TPJ == chain_tokens(G, H * TERMS, 256)) {
     if (a.probe != 0) return launch<H, TERMS, G, S, TPJ, true>(a, stream);
   }
   constexpr int smem = Layout<H, TERMS, G, S>::kAlloc;
-  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S, TPJ, PROBE>;
+  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S, TPJ, PROBE, SW>;
   static int resident_of[64] = {};  // per device: the attribute is set once on each
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
@@ -467,6 +511,11 @@ void launch(const WArgs& a, cudaStream_t stream) {
 template <int H, int TERMS, int G, int S>
 void launch_chain(const WArgs& a, int cols, cudaStream_t stream) {
   constexpr int NT = H * q_cols(TERMS);
+  // DEEPFUSE_INDEXER_SPLIT (H 64, q modes 1 and 3, groups of 4): two chains of two tokens, waited
+  // one by one, instead of one chain of four (the same accumulator registers)
+  if constexpr (G == 4 && H == 64 && TERMS != 2) {
+    if (a.split_wait && cols >= 2 * NT) return launch<H, TERMS, G, S, 2, false, true>(a, stream);
+  }
   if constexpr (G > 1) {
     if (chain_tokens(G, NT, cols) == 4) {
       if constexpr (chain_tokens(G, NT, 256) == 4) return launch<H, TERMS, G, S, 4>(a, stream);
@@ -478,22 +527,14 @@ void launch_chain(const WArgs& a, int cols, cudaStream_t stream) {
   launch<H, TERMS, G, S, 1>(a, stream);
 }
 
-// Key stages of single-token CTAs (decode without drafts): DEEPFUSE_INDEXER_STAGES 4 (default), 5
-// or 6 (more tiles in flight per CTA, more shared memory); read per call (benchmarks).
-int single_stages() {
-  const char* v = std::getenv("DEEPFUSE_INDEXER_STAGES");
-  const int s = v != nullptr ? std::atoi(v) : kStagesSingle;
-  return s == 5 || s == 6 ? s : 4;
-}
-
 template <int H, int TERMS, int S>
-void launch_g(const WArgs& a, int G, int cols, cudaStream_t stream) {
+void launch_g(const WArgs& a, int G, int cols, int stages_single, cudaStream_t stream) {
   switch (G) {
     case 4: launch_chain<H, TERMS, 4, S>(a, cols, stream); break;
     case 3: launch_chain<H, TERMS, 3, S>(a, cols, stream); break;
     case 2: launch_chain<H, TERMS, 2, S>(a, cols, stream); break;
     default:
-      switch (single_stages()) {
+      switch (stages_single) {
         case 6:
           if constexpr (TERMS <= 2) return launch<H, TERMS, 1, 6, 1>(a, stream);
           [[fallthrough]];
@@ -503,15 +544,6 @@ void launch_g(const WArgs& a, int G, int cols, cudaStream_t stream) {
         default: launch<H, TERMS, 1, S, 1>(a, stream); break;
       }
   }
-}
-
-// Columns per wgmma chain (tokens of a group sharing one accumulator: fewer reads of the key tile
-// and fewer waits, more registers): DEEPFUSE_INDEXER_CHAIN for decode groups (2-4 tokens of a
-// request), DEEPFUSE_INDEXER_CHAIN_PREFILL for prefill launches (>= 8 tokens per request on
-// average); 0 (or below one token's columns): one token per chain. Read per call (benchmarks).
-int chain_cols(bool prefill) {
-  const char* v = std::getenv(prefill ? "DEEPFUSE_INDEXER_CHAIN_PREFILL" : "DEEPFUSE_INDEXER_CHAIN");
-  return v != nullptr ? std::atoi(v) : prefill ? kChainPrefill : kChainDecode;
 }
 
 }  // namespace
@@ -527,21 +559,21 @@ void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* 
     shift = 0;
     while ((1 << shift) < page_size) ++shift;
   }
+  const Switches w = Switches::read();
   int G = indexer_rows_per_cta(N, num_reqs);
   const bool prefill = G == 4 && N >= 8 * num_reqs;
-  G = prefill ? prefill_group() : decode_group(G);
+  G = prefill ? w.prefill_g : w.decode_group(G);
   const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
-                entry_slots, slots_ld, token_req, n_vis, C, scale, out, N, max_tiles_per_cta(prefill),
-                env_int("DEEPFUSE_INDEXER_GATHER", 0, 1, kRowGather), env_int("DEEPFUSE_INDEXER_PROBE", 0, 7, 0),
-                env_int("DEEPFUSE_INDEXER_L2HINT", 0, 2, kL2Hint)};
-  const int cols = G > 1 ? chain_cols(prefill) : 0;
-  // DEEPFUSE_INDEXER_QK2 (H 64): the two q terms along K (q mode 3 above) instead of as columns
-  const bool qk2 = H == 64 && q_terms == 2 && env_int("DEEPFUSE_INDEXER_QK2", 0, 1, kQK2) == 1;
-  if (qk2) launch_g<64, 3, kStages>(a, G, cols, stream);
-  else if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, G, cols, stream);
-  else if (H == 64 && q_terms == 1) launch_g<64, 1, kStages>(a, G, cols, stream);
-  else if (H == 32 && q_terms == 2) launch_g<32, 2, kStages>(a, G, cols, stream);
-  else if (H == 32 && q_terms == 1) launch_g<32, 1, kStages>(a, G, cols, stream);
+                entry_slots, slots_ld, token_req, n_vis, C, scale, out, N,
+                prefill ? w.max_tiles_prefill : w.max_tiles_decode, w.row_gather, w.probe, w.l2_hint, w.split_wait};
+  const int cols = G > 1 ? (prefill ? w.chain_prefill : w.chain_decode) : 0;
+  const int st = w.stages_single;
+  // q mode 3 (H 64, exact q, DEEPFUSE_INDEXER_QK2): the two q terms along K instead of as columns
+  if (H == 64 && q_terms == 2 && w.qk2) launch_g<64, 3, kStages>(a, G, cols, st, stream);
+  else if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, G, cols, st, stream);
+  else if (H == 64 && q_terms == 1) launch_g<64, 1, kStages>(a, G, cols, st, stream);
+  else if (H == 32 && q_terms == 2) launch_g<32, 2, kStages>(a, G, cols, st, stream);
+  else if (H == 32 && q_terms == 1) launch_g<32, 1, kStages>(a, G, cols, st, stream);
   else throw std::invalid_argument("deepfuse: indexer_logits_paged: H must be 32 or 64, q_terms 1 or 2");
 }
 

@@ -372,11 +372,15 @@ def test_indexer_logits_paged_prefill_long_ctas(q_fp8, monkeypatch):
     _check_indexer(req, nv, 1, 24576, g, q_fp8=q_fp8, order="paged")
 
 
-@pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, False), (32, True)])
-def test_indexer_chain_same_bits(H, q_fp8, monkeypatch):
-    """Tokens chained in one wgmma (DEEPFUSE_INDEXER_CHAIN / _CHAIN_PREFILL 128, 256) give the bits
-    of one token per chain (0): decode with 1-4 tokens per request and prefill chunks (each token's
-    products and head sums are the same operations in the same order)."""
+@pytest.mark.parametrize("H,q_fp8,qk2", [(64, False, "0"), (64, True, "0"), (32, False, "0"), (32, True, "0"),
+                                        (64, False, "1")])
+def test_indexer_chain_same_bits(H, q_fp8, qk2, monkeypatch):
+    """Tokens chained in one wgmma (DEEPFUSE_INDEXER_CHAIN / _CHAIN_PREFILL 128, 256; and with
+    DEEPFUSE_INDEXER_SPLIT=1 groups of 4 as two chains waited one by one) give the bits of one token
+    per chain (0): decode with 1-4 tokens per request and prefill chunks (each token's products and
+    head sums are the same operations in the same order); both q modes, and the two exact-q terms
+    along K (DEEPFUSE_INDEXER_QK2=1)."""
+    monkeypatch.setenv("DEEPFUSE_INDEXER_QK2", qk2)
     g = _g(H + q_fp8)
     C, ps = 1100, 64
     pages = _idx_pages(12 * C + 12 * ps, ps, g)
@@ -392,11 +396,12 @@ def test_indexer_chain_same_bits(H, q_fp8, monkeypatch):
         q = _randn(req.shape[0], H, 128, g=g)
         w = torch.randn(req.shape[0], H, generator=g, device=DEV)
         outs = []
-        for cols in ("0", "128", "256"):
+        for cols, split in (("0", "0"), ("128", "0"), ("256", "0"), ("256", "1")):
             monkeypatch.setenv("DEEPFUSE_INDEXER_CHAIN", cols)
             monkeypatch.setenv("DEEPFUSE_INDEXER_CHAIN_PREFILL", cols)
+            monkeypatch.setenv("DEEPFUSE_INDEXER_SPLIT", split)
             outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
-        for o, cols in zip(outs[1:], ("128", "256")):
+        for o, cols in zip(outs[1:], ("128", "256", "256 split")):
             assert torch.equal(outs[0], o), f"next_n {n}, {cols} columns: {(outs[0] != o).sum().item()} values differ"
 
 
@@ -644,10 +649,13 @@ def test_indexer_sanitize_groups():
 
 
 @pytest.mark.sanitize
-def test_indexer_sanitize_qk2(monkeypatch):
-    """The two q terms along K (DEEPFUSE_INDEXER_QK2=1): decode groups of 1-4 tokens, groups
-    spanning requests, prefill groups (19 tokens of 2 requests), page-ordered and random entries."""
-    monkeypatch.setenv("DEEPFUSE_INDEXER_QK2", "1")
+@pytest.mark.parametrize("qk2,split,q_fp8", [("1", "0", False), ("1", "1", False), ("0", "1", True)])
+def test_indexer_sanitize_qk2(qk2, split, q_fp8, monkeypatch):
+    """The two q terms along K (DEEPFUSE_INDEXER_QK2=1) and groups of 4 as two chains with split
+    waits (DEEPFUSE_INDEXER_SPLIT=1): decode groups of 1-4 tokens, groups spanning requests,
+    prefill groups (19 tokens of 2 requests), page-ordered and random entries."""
+    monkeypatch.setenv("DEEPFUSE_INDEXER_QK2", qk2)
+    monkeypatch.setenv("DEEPFUSE_INDEXER_SPLIT", split)
     g = _g(96)
     ps = 16
     kp = _idx_pages(2 * 70, ps, g)
@@ -660,7 +668,7 @@ def test_indexer_sanitize_qk2(monkeypatch):
             n = len(req)
             sc = ops.indexer_logits_paged(_randn(n, 64, 128, g=g), torch.rand(n, 64, device=DEV), kp, ps, entry,
                                           torch.tensor(req, device=DEV),
-                                          torch.tensor(nv, dtype=torch.int32, device=DEV), 0.1)
+                                          torch.tensor(nv, dtype=torch.int32, device=DEV), 0.1, q_fp8=q_fp8)
             assert sc.shape == (n, 70)
     torch.cuda.synchronize()
 
