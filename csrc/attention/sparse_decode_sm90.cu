@@ -12,8 +12,11 @@ namespace deepfuse {
 // The consumer warpgroups' softmax (sparse_decode_sm90.cuh): 0 full tile in both, 1 split by keys
 // after a QK split by dims (kSplit), 2 QK itself split by keys (kSplit + kKeys).
 constexpr int kSparseDecodeSplit = 1;
-// H = 128 as a 2-CTA cluster sharing the dequantised key tiles (C = 2).
+// H = 128 as a 2-CTA cluster sharing the dequantised key tiles (C = 2), for calls of at most
+// kClusterWaves waves of CTAs (decode; H200: B 64 s_q 2 -4%, B 128 s_q 2 -1%), not for prefill-sized
+// ones (4096 rows: +8%: a cluster needs two free SMs of one GPC at once, so many waves fragment).
 constexpr bool kSparseDecodeCluster = true;
+constexpr int kClusterWaves = 4;
 // Split-KV partials reduced inside a cluster of the row's splits (kRed) instead of the workspace and
 // the combine launch, for 2 <= splits <= kMaxRed; H 128 then runs as two independent 64-head CTAs.
 constexpr bool kSparseDecodeReduce = false;
@@ -114,11 +117,11 @@ bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
                  "sparse_attention (wgmma): cluster size attribute");
     if (dev < 64) attr_done[dev] = true;
   }
-  // H = 128 as a 2-CTA cluster sharing the dequantised tiles: on by default (kSparseDecodeCluster;
-  // 6% faster than two independent CTAs at B 64 on the H200, docs/notes/attention.md);
-  // DEEPFUSE_SPARSE_DECODE_CLUSTER=0 / 1 overrides.
+  // H = 128 as a 2-CTA cluster sharing the dequantised tiles: by default (kSparseDecodeCluster) for
+  // calls with splits or of at most kClusterWaves waves; DEEPFUSE_SPARSE_DECODE_CLUSTER=0 / 1 forces it.
   const char* ce = std::getenv("DEEPFUSE_SPARSE_DECODE_CLUSTER");
-  const bool cl = p.H == 128 && ((ce == nullptr || ce[0] == '\0') ? kSparseDecodeCluster : std::strcmp(ce, "0") != 0);
+  const bool cl_auto = kSparseDecodeCluster && (p.splits > 1 || static_cast<int64_t>(p.T) * 2 <= kClusterWaves * num_sms());
+  const bool cl = p.H == 128 && ((ce == nullptr || ce[0] == '\0') ? cl_auto : std::strcmp(ce, "0") != 0);
   // The softmax split (kSparseDecodeSplit): DEEPFUSE_SPARSE_DECODE_SPLIT=0 / 1 / 2 overrides.
   const char* se = std::getenv("DEEPFUSE_SPARSE_DECODE_SPLIT");
   const int split = (se == nullptr || se[0] == '\0') ? kSparseDecodeSplit : (se[0] == '0' ? 0 : se[0] == '2' ? 2 : 1);

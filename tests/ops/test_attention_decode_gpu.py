@@ -1,9 +1,10 @@
 """ops.sparse_attention_paged on the warp-specialised wgmma kernel (csrc/attention/sparse_decode_sm90.cuh):
 one query row per CTA group (plan group_rows 1), H 64 / 128, FP8 pages. The kernel is selected by
 DEEPFUSE_SPARSE_DECODE (1: on, 0: the mma.sync kernel); each test sets it. H 128 runs by default
-as a cluster of two CTAs sharing the dequantised key tiles (every H 128 case without an explicit
-switch), or with DEEPFUSE_SPARSE_DECODE_CLUSTER=0 as two independent CTAs (test_h128_no_cluster,
-the graph and sanitize cases with cluster "0"). The consumer
+as a cluster of two CTAs sharing the dequantised key tiles when the call has splits or at most 4
+waves of CTAs (every small H 128 case without an explicit switch; T 280 runs without), or with
+DEEPFUSE_SPARSE_DECODE_CLUSTER=0 / 1 forced off / on (test_h128_no_cluster, test_h128_cluster, the
+graph and sanitize cases with cluster "0"). The consumer
 warpgroups split the softmax by keys unless DEEPFUSE_SPARSE_DECODE_SPLIT=0 (test_unsplit_softmax);
 DEEPFUSE_SPARSE_DECODE_SPLIT=2 splits QK itself by keys (test_key_split_qk). DEEPFUSE_SPARSE_DECODE_REDUCE=1
 merges the split-KV partials inside a cluster of a row's splits instead of the combine kernel
@@ -65,6 +66,7 @@ def test_decode_csa(wg, H, B, s_q, out_format):
     dict(H=128, T=6, K1=128, K2=512, out_format="mxfp8", splits=3, q_scale=4.0),  # peaky logits
     dict(H=64, T=300, K1=128, K2=512, ps=(16, 64)),                             # prefill-like
     dict(H=128, T=8, K1=64, K2=64, ps=(16, 16), splits=2, out_format="mxfp8"),
+    dict(H=128, T=280, K1=64, K2=128, ps=(16, 16)),                             # > 4 waves: no cluster by default
 ])
 def test_cases(wg, case):
     _run_case(G=1, **case, seed=len(str(case)) + 5)
