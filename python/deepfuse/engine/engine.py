@@ -250,7 +250,7 @@ class Engine:
     def _finish(self, req: Request, reason: str, o: RequestOutput, now: float) -> None:
         if self.prefix is not None and req.cache is not None:
             n = min(req.num_computed, req.num_tokens)  # overlap: the step after may have computed one more
-            self.prefix.insert(req.cache, req.tokens(0, n), n)
+            self.prefix.insert(req.cache, req.tokens(0, n), n, req.prefix_hashes, len(req.prompt_token_ids))
         req.finish_reason = reason
         self.scheduler.remove(req)
         self._reqs.pop(req.request_id, None)
@@ -272,7 +272,7 @@ class Engine:
             if self.runner.replay is not None and not self.runner.replay.snapshot_ok(req, n):
                 continue  # bounded replay left late-layer window rows unwritten
             if n == P or n // ck > req.last_checkpoint // ck:
-                self.prefix.insert(req.cache, req.tokens(0, n), n)
+                self.prefix.insert(req.cache, req.tokens(0, n), n, req.prefix_hashes, len(req.prompt_token_ids))
                 req.last_checkpoint = n
 
     def _reserve_drafts(self, req: Request, k: int) -> int:

@@ -15,10 +15,14 @@ state missing, replaying W tokens reproduces them only approximately, and output
 no longer equal the uncached run token for token. Restoring from the deepest saved point
 and prefilling from there is the exact, bounded form (bounded by `checkpoint`).
 
-Lookup: entries are indexed by a rolling hash of their first k * block tokens (k >= 1), so
-finding the longest usable entry costs O(prompt length / block) dictionary probes plus one
-token comparison per candidate. Eviction: least recently used first, when the saved slots or
-the page pools run short; a running request never loses pages (it holds its own refs).
+Lookup: an entry of n tokens is indexed by the chained hash of its first (n // block) * block
+tokens only (an entry can be a prefix of a request only if the request's chain agrees there),
+so finding the longest usable entry costs O(prompt length / block) dictionary probes plus one
+token comparison per candidate (hash collisions cost comparisons, never a wrong hit). A
+request's prompt never changes, so the chain over its prompt blocks is computed once and kept
+on the request (`memo`); long prompts then pay their hashing once, not at every lookup and
+checkpoint. Eviction: least recently used first, when the saved slots or the page pools run
+short; a running request never loses pages (it holds its own refs).
 """
 from __future__ import annotations
 
@@ -32,9 +36,9 @@ from .cache import CacheManager, ReqCache, Snapshot
 @dataclass
 class Entry:
     key: int
-    tokens: tuple
+    tokens: list
     snap: Snapshot
-    hashes: list = field(default_factory=list)
+    hkey: int = 0  # the chained hash its index slot is under
 
 
 class PrefixCache:
@@ -49,26 +53,34 @@ class PrefixCache:
         self.num_hits = 0
         cache.evict = self.evict_one
 
-    def _hashes(self, tokens, n: int) -> list[int]:
-        b, h, out = self.block, 0, []
-        for k in range(1, n // b + 1):
+    def _hashes(self, tokens, n: int, memo: Optional[list] = None, stable: int = 0) -> list[int]:
+        """Chained hashes of tokens' first k * block tokens, k = 1 .. n // block. memo: the chain
+        over the first len(memo) blocks of the same tokens, computed before; extended here with
+        the blocks that lie inside tokens[:stable] (the part of tokens that never changes)."""
+        b, nb = self.block, n // self.block
+        out = memo[:nb] if memo else []
+        h = out[-1] if out else 0
+        for k in range(len(out) + 1, nb + 1):
             h = hash((h, tuple(tokens[(k - 1) * b:k * b])))
             out.append(h)
+            if memo is not None and k == len(memo) + 1 and k * b <= stable:
+                memo.append(h)
         return out
 
-    def lookup(self, tokens: list[int], limit: int) -> Optional[Entry]:
-        """The longest entry whose tokens are a prefix of tokens, with at most `limit` tokens."""
-        best = None
-        hs = self._hashes(tokens, min(limit, len(tokens)))
-        for k in range(len(hs), 0, -1):
+    def lookup(self, tokens: list[int], limit: int, memo: Optional[list] = None, stable: int = 0) -> Optional[Entry]:
+        """The longest entry whose tokens are a prefix of tokens, with at most `limit` tokens.
+        memo / stable: see _hashes."""
+        hs = self._hashes(tokens, min(limit, len(tokens)), memo, stable)
+        for k in range(len(hs), 0, -1):  # entries under k hold k * block .. (k + 1) * block - 1 tokens
+            best = None
             for key in self._index.get(hs[k - 1], ()):
                 e = self._entries[key]
                 n = e.snap.tokens
-                if n <= limit and (best is None or n > best.snap.tokens) and tuple(tokens[:n]) == e.tokens:
+                if n <= limit and (best is None or n > best.snap.tokens) and tokens[:n] == e.tokens:
                     best = e
-            if best is not None and best.snap.tokens >= k * self.block:
-                break  # no shorter k can give a longer entry
-        return best
+            if best is not None:
+                return best
+        return None
 
     def restore(self, rc: ReqCache, e: Entry) -> int:
         self._entries.move_to_end(e.key)
@@ -81,13 +93,14 @@ class PrefixCache:
         self.hit_tokens += e.snap.tokens
         return e.snap.tokens
 
-    def insert(self, rc: ReqCache, tokens: list[int], n: int) -> None:
-        """Save the state of a request with n computed tokens (tokens[:n] known)."""
+    def insert(self, rc: ReqCache, tokens: list[int], n: int, memo: Optional[list] = None, stable: int = 0) -> None:
+        """Save the state of a request with n computed tokens (tokens[:n] known). memo / stable:
+        see _hashes."""
         if n < self.block:
             return
-        key_tokens = tuple(tokens[:n])
-        hs = self._hashes(tokens, n)
-        for key in self._index.get(hs[-1], ()):
+        key_tokens = tokens[:n]
+        hk = self._hashes(tokens, n, memo, stable)[-1]
+        for key in self._index.get(hk, ()):
             if self._entries[key].tokens == key_tokens:
                 self._entries.move_to_end(key)
                 return
@@ -96,22 +109,20 @@ class PrefixCache:
             snap = self.cache.snapshot(rc, n)
         if snap is None:
             return
-        e = Entry(self._next, key_tokens, snap, hs)
+        e = Entry(self._next, key_tokens, snap, hk)
         self._next += 1
         self._entries[e.key] = e
-        for h in hs:
-            self._index.setdefault(h, set()).add(e.key)
+        self._index.setdefault(hk, set()).add(e.key)
 
     def evict_one(self) -> bool:
         """Drop the least recently used entry; False if there is none to drop."""
         for key in self._entries:
             if key != self._busy:
                 e = self._entries.pop(key)
-                for h in e.hashes:
-                    ks = self._index[h]
-                    ks.discard(key)
-                    if not ks:
-                        del self._index[h]
+                ks = self._index[e.hkey]
+                ks.discard(key)
+                if not ks:
+                    del self._index[e.hkey]
                 self.cache.drop_snapshot(e.snap)
                 return True
         return False

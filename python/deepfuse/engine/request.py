@@ -127,6 +127,7 @@ class Request:
     prompt_tops: Optional[list] = None            # ... and [P] top-n dicts (prompt_logprobs > 0)
     prompt_done: bool = False                     # every prompt row's logprobs computed
     prompt_sent: bool = False                     # ... and delivered in an output
+    prefix_hashes: list = field(default_factory=list)  # the prefix cache's chained hashes of its prompt blocks
 
     num_tokens: int = 0                           # prompt + generated (kept by append_token)
 

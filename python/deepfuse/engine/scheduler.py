@@ -114,7 +114,8 @@ class Scheduler:
         hit = None
         if self.prefix is not None and not req.wants_prompt_rows:  # prompt logprobs need every row
             known = req.num_tokens - (1 if req.pending is not None else 0)
-            hit = self.prefix.lookup(req.tokens(0, known), req.num_tokens - 1)
+            hit = self.prefix.lookup(req.tokens(0, known), req.num_tokens - 1, req.prefix_hashes,
+                                     len(req.prompt_token_ids))
         start = hit.snap.tokens if hit is not None else 0
         n = min(req.num_tokens - start, budget, cache.free_tokens - len(self.running) - start)
         if n <= 0:
