@@ -16,7 +16,8 @@ constexpr int kIndexerDim = 128;
 // out[t, e] = scale * s_e * sum_h w[t, h] relu(q[t, h] . code_e) for e < min(n_vis[t], C)
 // (s_e, code_e: the key's scale and e4m3 codes; an entry with slot < 0 scores 0), -inf
 // beyond. q per (token, head): a power-of-two scale s with amax / s in [128, 256), x = q / s as
-// q_terms e4m3 terms (1: e4m3(x), DeepGEMM's contract; 2: hi + lo / 16, exact for |x| >= 2^-6),
+// q_terms e4m3 terms (1: e4m3(x), DeepGEMM's contract; 2: H 64 hi + lo along K, exact for
+// |x| >= 2^-2, within 2^-10 s below; H 32 hi + lo / 16, exact for |x| >= 2^-6),
 // FP8 tensor-core dot products (sm_90a: indexer_logits_wgmma.cu). Other archs: mma.sync on q
 // rounded to fp16 (H 64, q_terms 2 only).
 // num_reqs (the rows of entry_slots) only picks how many consecutive tokens a CTA takes

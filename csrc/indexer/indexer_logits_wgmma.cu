@@ -38,12 +38,13 @@ constexpr int kStages = 4;   // key tiles per CTA: 3 in flight while one is comp
 constexpr int kChainDecode = 256;     // DEEPFUSE_INDEXER_CHAIN: columns per wgmma chain, decode groups
 constexpr int kChainPrefill = 256;    // DEEPFUSE_INDEXER_CHAIN_PREFILL: the same, prefill launches
 constexpr int kMaxTilesDecode = 32;   // DEEPFUSE_INDEXER_MAX_TILES (8-256): tiles per CTA at most, decode
-constexpr int kMaxTilesPrefill = 32;  //   and prefill launches (one variable sets both)
+constexpr int kMaxTilesPrefill = 128; //   and prefill launches (one variable sets both)
 constexpr int kPrefillG = 4;          // DEEPFUSE_INDEXER_PREFILL_G (2 / 4): tokens per CTA, prefill
-constexpr int kDecodeG = 4;           // DEEPFUSE_INDEXER_DECODE_G (1-4): tokens per CTA at most, decode
+constexpr int kDecodeG = 4;           // DEEPFUSE_INDEXER_DECODE_G (1-4; 0 auto): tokens per CTA at most, decode
+constexpr int kDecodeG2Jobs = 192;    //   auto: groups of 4 split in two below this many (group, tile) jobs per SM
 constexpr int kStagesSingle = 4;      // DEEPFUSE_INDEXER_STAGES (4 / 5 / 6): key stages, one-token CTAs
-constexpr int kRowGather = 1;         // DEEPFUSE_INDEXER_GATHER (0 / 1): the key gather's thread mapping
-constexpr int kQK2 = 0;               // DEEPFUSE_INDEXER_QK2 (0 / 1): exact q's two terms along K (H 64)
+constexpr int kRowGather = 1;         // DEEPFUSE_INDEXER_GATHER (0 / 1 / 2): the key gather's thread mapping
+constexpr int kQK2 = 1;               // DEEPFUSE_INDEXER_QK2 (0 / 1): exact q's two terms along K (H 64)
 constexpr int kL2Hint = 0;            // DEEPFUSE_INDEXER_L2HINT (0 / 1 / 2): L2 prefetch of the key copies
 constexpr int kSplitWait = 0;         // DEEPFUSE_INDEXER_SPLIT (0 / 1): groups of 4 as two chains, split waits
 // DEEPFUSE_INDEXER_PROBE (0-7, default 0): timing-only kernel variants (kProbe* below).
@@ -63,7 +64,7 @@ struct WArgs {
   float* out;
   int64_t N;
   int tiles_per_cta;  // launch(): the cap in, the CTA's tile count out
-  int row_gather;  // the gather's row mapping (rows_pass); DEEPFUSE_INDEXER_GATHER
+  int row_gather;  // the gather's thread mapping (rows_pass); DEEPFUSE_INDEXER_GATHER
   int probe;       // DEEPFUSE_INDEXER_PROBE (timing only, wrong scores): kProbe* bits
   int l2_hint;     // DEEPFUSE_INDEXER_L2HINT: 0 none, 1 / 2 the key copies prefetch 128 / 256 bytes into L2
   int split_wait;  // DEEPFUSE_INDEXER_SPLIT: groups of 4 as two chains of 2 tokens, both issued, waited one by one
@@ -185,11 +186,13 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   const float* ksc = reinterpret_cast<const float*>(sm + L::kScale);
   float* wq = reinterpret_cast<float*>(sm + L::kW);
 
-  // Gather, slot indices one tile ahead in registers. Row mapping (a.row_gather): thread tid copies
-  // chunks 4 (tid & 1) .. + 3 of row tid >> 1 and (even threads) its scale: one slot and one page
-  // address per thread. Else thread tid copies chunk (tid & 7) of rows (tid >> 3) + 16 k, k < 4,
-  // and (chunk-0 threads) their scales. Both fill the same bytes.
-  const bool rg = a.row_gather;
+  // Gather, slot indices one tile ahead in registers. Row mappings (a.row_gather 1 / 2): thread tid
+  // copies 16-byte chunks of row tid >> 1 and (even threads) its scale: one slot and one page
+  // address per thread; 2 (default): chunks 2 i + (tid & 1), i < 4, so that each copy instruction
+  // of a warp reads whole 32-byte sectors (16 rows x one sector); 1: chunks 4 (tid & 1) + i (each
+  // instruction half of 32 sectors). 0: thread tid copies chunk (tid & 7) of rows (tid >> 3) + 16 k,
+  // k < 4, and (chunk-0 threads) their scales. All fill the same bytes.
+  const bool rg = a.row_gather != 0;
   const int ch = tid & 7, row0 = tid >> 3;
   auto fetch_slots = [&](int64_t (&s)[4], int e0) {
     if (rg) {
@@ -204,7 +207,7 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     }
   };
   // Row `row` of a stage from slot `slot`: chunks [c0, c0 + nc) and, with `scale`, its scale.
-  auto copy_row = [&](int stage, int row, int64_t slot, int c0, int nc, bool scale) {
+  auto copy_row = [&](int stage, int row, int64_t slot, int c0, int cstep, int nc, bool scale) {
     int64_t page, prow;
     if (a.page_shift >= 0) {
       page = slot >> a.page_shift;
@@ -218,8 +221,8 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     const uint8_t* src = ok ? pbase + prow * kRow : a.pages;
 #pragma unroll
     for (int i = 0; i < nc; ++i)
-      cp_async16_hint(keys_u32 + stage * kTileBytes + swz(row, c0 + i), ok ? src + (c0 + i) * 16 : a.pages, ok,
-                      a.l2_hint);
+      cp_async16_hint(keys_u32 + stage * kTileBytes + swz(row, c0 + cstep * i), ok ? src + (c0 + cstep * i) * 16 : a.pages,
+                      ok, a.l2_hint);
     if (scale)
       cp_async4(ks_u32 + (stage * kTile + row) * 4, ok ? pbase + int64_t(a.page_size) * kRow + prow * 4 : a.pages,
                 ok);
@@ -229,11 +232,12 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
       if (a.probe & kProbeNoGather) return;
     }
     if (rg) {
-      copy_row(stage, tid >> 1, s[0], 4 * (tid & 1), 4, (tid & 1) == 0);
+      if (a.row_gather == 2) copy_row(stage, tid >> 1, s[0], tid & 1, 2, 4, (tid & 1) == 0);  // sector pairs
+      else copy_row(stage, tid >> 1, s[0], 4 * (tid & 1), 1, 4, (tid & 1) == 0);
       return;
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) copy_row(stage, row0 + 16 * k, s[k], ch, 1, ch == 0);
+    for (int k = 0; k < 4; ++k) copy_row(stage, row0 + 16 * k, s[k], ch, 1, 1, ch == 0);
   };
 
   const int ntiles = (live_end - e_begin + kTile - 1) / kTile;
@@ -433,7 +437,8 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
 // and fewer waits, more registers); below one token's columns (e.g. 0): one token per chain.
 // Decode groups: a smaller cap than indexer_rows_per_cta's group reads each key tile once per
 // group (the other groups from L2). Stages: more tiles in flight per one-token CTA, more shared
-// memory. Gather: 1 a row per two threads, 0 a chunk per thread over four rows (rows_pass).
+// memory. Gather: 2 / 1 a row per two threads (whole sectors per instruction / half sectors), 0 a
+// chunk per thread over four rows (rows_pass).
 int env_int(const char* name, int lo, int hi, int dflt) {
   const char* v = std::getenv(name);
   const int x = v != nullptr ? std::atoi(v) : dflt;
@@ -450,18 +455,28 @@ struct Switches {
     w.max_tiles_decode = mt ? mt : kMaxTilesDecode;
     w.max_tiles_prefill = mt ? mt : kMaxTilesPrefill;
     w.prefill_g = env_int("DEEPFUSE_INDEXER_PREFILL_G", 2, 4, kPrefillG) >= 4 ? 4 : 2;
-    w.decode_g = env_int("DEEPFUSE_INDEXER_DECODE_G", 1, 4, kDecodeG);
+    w.decode_g = env_int("DEEPFUSE_INDEXER_DECODE_G", 0, 4, kDecodeG);
     const int st = env_int("DEEPFUSE_INDEXER_STAGES", 4, 6, kStagesSingle);
     w.stages_single = st;
-    w.row_gather = env_int("DEEPFUSE_INDEXER_GATHER", 0, 1, kRowGather);
+    w.row_gather = env_int("DEEPFUSE_INDEXER_GATHER", 0, 2, kRowGather);
     w.qk2 = env_int("DEEPFUSE_INDEXER_QK2", 0, 1, kQK2);
     w.l2_hint = env_int("DEEPFUSE_INDEXER_L2HINT", 0, 2, kL2Hint);
     w.split_wait = env_int("DEEPFUSE_INDEXER_SPLIT", 0, 1, kSplitWait);
     w.probe = env_int("DEEPFUSE_INDEXER_PROBE", 0, 7, 0);
     return w;
   }
-  // tokens per CTA of a decode group of G (indexer_rows_per_cta) under the cap
-  int decode_group(int G) const { return G <= decode_g ? G : G % 2 == 0 && decode_g >= 2 ? 2 : 1; }
+  // tokens per CTA of a decode group of G (indexer_rows_per_cta) under the cap; auto (0): groups of
+  // 4 run as two groups of 2 when there are few (group, tile) jobs (short contexts, few requests:
+  // CTAs of a few tiles, whose q and pipeline fill a group of 2 halves; B 64 x C 8K next_n 4 1.14x
+  // (q_fp8) / 1.24x (exact), B 64 x C 64K: G 4 1.10x faster (q_fp8), equal (exact))
+  int decode_group(int G, int64_t N, int C) const {
+    int cap = decode_g;
+    if (cap == 0) {
+      const int64_t jobs = ceil_div<int64_t>(N, 4) * ceil_div<int64_t>(C, kTile);
+      cap = G == 4 && jobs < int64_t(kDecodeG2Jobs) * num_sms() ? 2 : 4;
+    }
+    return G <= cap ? G : G % 2 == 0 && cap >= 2 ? 2 : 1;
+  }
 };
 
 // Tokens per wgmma chain: the most of 4, 2, 1 that divides G with at most `cols` columns.
@@ -562,7 +577,7 @@ void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* 
   const Switches w = Switches::read();
   int G = indexer_rows_per_cta(N, num_reqs);
   const bool prefill = G == 4 && N >= 8 * num_reqs;
-  G = prefill ? w.prefill_g : w.decode_group(G);
+  G = prefill ? w.prefill_g : w.decode_group(G, N, C);
   const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
                 entry_slots, slots_ld, token_req, n_vis, C, scale, out, N,
                 prefill ? w.max_tiles_prefill : w.max_tiles_decode, w.row_gather, w.probe, w.l2_hint, w.split_wait};

@@ -452,8 +452,9 @@ def test_indexer_qk2(case, monkeypatch):
 
 @pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, True)])
 def test_indexer_decode_group_same_bits(H, q_fp8, monkeypatch):
-    """Decode groups capped at 2 or 1 tokens per CTA (DEEPFUSE_INDEXER_DECODE_G) give the bits of
-    the default groups (up to 4): next_n 2-6, ragged n_vis, one request with nothing visible."""
+    """Decode groups capped at 2 or 1 tokens per CTA, or chosen from the shapes (DEEPFUSE_INDEXER_DECODE_G
+    2, 1, 0 = auto, the default) give the bits of groups of up to 4: next_n 2-6, ragged n_vis, one
+    request with nothing visible."""
     g = _g(5 * H + q_fp8)
     C, ps = 1100, 64
     pages = _idx_pages(5 * C + 5 * ps, ps, g)
@@ -466,10 +467,10 @@ def test_indexer_decode_group_same_bits(H, q_fp8, monkeypatch):
         q = _randn(req.shape[0], H, 128, g=g)
         w = torch.randn(req.shape[0], H, generator=g, device=DEV)
         outs = []
-        for cap in ("4", "2", "1"):
+        for cap in ("4", "2", "1", "0"):
             monkeypatch.setenv("DEEPFUSE_INDEXER_DECODE_G", cap)
             outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
-        for o, cap in zip(outs[1:], ("2", "1")):
+        for o, cap in zip(outs[1:], ("2", "1", "auto")):
             assert torch.equal(outs[0], o), f"next_n {n}, at most {cap} tokens per CTA: {(outs[0] != o).sum().item()} differ"
 
 
@@ -501,9 +502,10 @@ def test_indexer_stages_same_bits(H, q_fp8, monkeypatch):
 
 @pytest.mark.parametrize("H,q_fp8", [(64, False), (32, True)])
 def test_indexer_gather_mappings_same_bits(H, q_fp8, monkeypatch):
-    """The two thread mappings of the key gather (DEEPFUSE_INDEXER_GATHER 1: a row per two threads,
-    0: a chunk per thread over four rows) fill the same bytes: same scores, decode groups and
-    prefill chunks, page size 48 (the division path) and 64, random and page-crossing entries."""
+    """The three thread mappings of the key gather (DEEPFUSE_INDEXER_GATHER 2 / 1: a row per two
+    threads, whole or half sectors per copy instruction; 0: a chunk per thread over four rows) fill
+    the same bytes: same scores, decode groups and prefill chunks, page size 48 (the division path)
+    and 64, random and page-crossing entries."""
     g = _g(7 * H + q_fp8)
     for ps, order in ((64, "offset"), (48, "random")):
         C = 900
@@ -517,10 +519,11 @@ def test_indexer_gather_mappings_same_bits(H, q_fp8, monkeypatch):
             q = _randn(req.shape[0], H, 128, g=g)
             w = torch.randn(req.shape[0], H, generator=g, device=DEV)
             outs = []
-            for mapping in ("0", "1"):
+            for mapping in ("0", "1", "2"):
                 monkeypatch.setenv("DEEPFUSE_INDEXER_GATHER", mapping)
                 outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
-            assert torch.equal(outs[0], outs[1]), f"ps {ps}: {(outs[0] != outs[1]).sum().item()} values differ"
+            for o, mapping in zip(outs[1:], ("1", "2")):
+                assert torch.equal(outs[0], o), f"ps {ps}, mapping {mapping}: {(outs[0] != o).sum().item()} differ"
 
 
 def test_indexer_q_scale_edges():
@@ -649,10 +652,10 @@ def test_indexer_sanitize_groups():
 
 
 @pytest.mark.sanitize
-@pytest.mark.parametrize("qk2,split,q_fp8", [("1", "0", False), ("1", "1", False), ("0", "1", True)])
+@pytest.mark.parametrize("qk2,split,q_fp8", [("1", "0", False), ("1", "1", False), ("0", "1", True), ("0", "0", False)])
 def test_indexer_sanitize_qk2(qk2, split, q_fp8, monkeypatch):
-    """The two q terms along K (DEEPFUSE_INDEXER_QK2=1) and groups of 4 as two chains with split
-    waits (DEEPFUSE_INDEXER_SPLIT=1): decode groups of 1-4 tokens, groups spanning requests,
+    """The two q terms along K (DEEPFUSE_INDEXER_QK2=1, the default) or as columns (0), and groups of
+    4 as two chains with split waits (DEEPFUSE_INDEXER_SPLIT=1): decode groups of 1-4 tokens, groups spanning requests,
     prefill groups (19 tokens of 2 requests), page-ordered and random entries."""
     monkeypatch.setenv("DEEPFUSE_INDEXER_QK2", qk2)
     monkeypatch.setenv("DEEPFUSE_INDEXER_SPLIT", split)

@@ -12,10 +12,13 @@ the keys of their requests in one layer's indexer key pages (kv_format: FP8 rows
 entry_slots[token_req[t], e] (slot < 0: a zero key), out [N, C] fp32 with -inf for
 e >= n_vis[t]. CUDA (csrc/indexer, FP8 pages, H = 32 or 64, Di = 128, bf16 q; sm_90a: FP8
 wgmma): q of each (token, head) gets a power-of-two scale s (amax / s in [128, 256)) and goes
-to the tensor cores as e4m3: with q_fp8=False (default) as two terms x = hi + lo / 16 (exact for
-|q / s| >= 2^-6, so q is kept to its bf16 bits), with q_fp8=True as e4m3(q / s) alone
-(DeepGEMM's contract, twice the MMA rate; the reference then rounds q the same way:
-quantize_q_e4m3). The key scale, ReLU and head weights are fused. The FP8 tensor cores sum the
+to the tensor cores as e4m3: with q_fp8=False (default) as two terms of x = q / s, with
+q_fp8=True as e4m3(x) alone (DeepGEMM's contract, twice the MMA rate; the reference then rounds
+q the same way: quantize_q_e4m3). The two terms: H 64, x = hi + lo along K into one accumulator,
+exact for |x| >= 2^-2 (each element of at least 2^-9 of its head's amax keeps its bf16 bits),
+within 2^-10 s below (<= 2^-17 of the amax: far below the FP8 keys' rounding and the tensor
+cores' accumulation); H 32, x = hi + lo / 16 as extra columns, exact for |x| >= 2^-6.
+The key scale, ReLU and head weights are fused. The FP8 tensor cores sum the
 products with a 13-bit mantissa (truncation), so the kernel matches the reference within
 2^-9 * sum_h |w_h| sum_d |q_hd k_ed| * scale (tests/ops/test_rows_gpu.py), not to fp32 order.
 Other archs: fp16 MMAs (H 64, q_fp8=False only).
