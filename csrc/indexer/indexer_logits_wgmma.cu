@@ -40,12 +40,12 @@ constexpr int kChainPrefill = 256;    // DEEPFUSE_INDEXER_CHAIN_PREFILL: the sam
 constexpr int kMaxTilesDecode = 32;   // DEEPFUSE_INDEXER_MAX_TILES (8-256): tiles per CTA at most, decode
 constexpr int kMaxTilesPrefill = 128; //   and prefill launches (one variable sets both)
 constexpr int kPrefillG = 4;          // DEEPFUSE_INDEXER_PREFILL_G (2 / 4): tokens per CTA, prefill
-constexpr int kDecodeG = 4;           // DEEPFUSE_INDEXER_DECODE_G (1-4; 0 auto): tokens per CTA at most, decode
+constexpr int kDecodeG = 0;           // DEEPFUSE_INDEXER_DECODE_G (1-4; 0 auto): tokens per CTA at most, decode
 constexpr int kDecodeG2Jobs = 192;    //   auto: groups of 4 split in two below this many (group, tile) jobs per SM
 constexpr int kStagesSingle = 4;      // DEEPFUSE_INDEXER_STAGES (4 / 5 / 6): key stages, one-token CTAs
-constexpr int kRowGather = 1;         // DEEPFUSE_INDEXER_GATHER (0 / 1 / 2): the key gather's thread mapping
+constexpr int kRowGather = 2;         // DEEPFUSE_INDEXER_GATHER (0 / 1 / 2): the key gather's thread mapping
 constexpr int kQK2 = 1;               // DEEPFUSE_INDEXER_QK2 (0 / 1): exact q's two terms along K (H 64)
-constexpr int kL2Hint = 0;            // DEEPFUSE_INDEXER_L2HINT (0 / 1 / 2): L2 prefetch of the key copies
+constexpr int kL2Hint = 1;            // DEEPFUSE_INDEXER_L2HINT (0 / 1 / 2): L2 prefetch of the key copies
 constexpr int kSplitWait = 0;         // DEEPFUSE_INDEXER_SPLIT (0 / 1): groups of 4 as two chains, split waits
 // DEEPFUSE_INDEXER_PROBE (0-7, default 0): timing-only kernel variants (kProbe* below).
 
