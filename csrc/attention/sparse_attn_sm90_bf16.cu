@@ -3,12 +3,17 @@
 #include "attention/sparse_attn_sm90_bf16.cuh"
 #include "common/cuda_utils.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
 namespace deepfuse {
 
 namespace {
+
+// The split-KV combine as a programmatic dependent launch of the main kernel.
+constexpr bool kCombinePDL = false;
 
 template <int G>
 void launch_main(const AttnParams& p, int C, cudaStream_t stream) {
@@ -62,7 +67,21 @@ void sparse_attention_paged(const AttnParams& p, cudaStream_t stream) {
   }
   if (p.splits > 1 && !reduced) {
     const int64_t n = static_cast<int64_t>(p.T) * p.H;
-    attn::sparse_attn_combine_kernel<<<static_cast<unsigned>(n), 128, 0, stream>>>(p);
+    // Programmatic dependent launch (the main kernel's CTAs release it when they start; its CTAs are
+    // scheduled on the free SMs and wait in griddepcontrol.wait): the launch latency overlaps the main
+    // kernel. kCombinePDL; DEEPFUSE_SPARSE_ATTN_PDL=0 / 1 overrides.
+    const char* e = std::getenv("DEEPFUSE_SPARSE_ATTN_PDL");
+    const bool pdl = (e == nullptr || e[0] == '\0') ? kCombinePDL : std::strcmp(e, "0") != 0;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(n), 1, 1);
+    cfg.blockDim = dim3(128, 1, 1);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    check_cuda(cudaLaunchKernelEx(&cfg, attn::sparse_attn_combine_kernel, p), "sparse_attention: combine");
     check_launch("sparse_attention: combine");
   }
 }

@@ -558,8 +558,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   attn_dev::write_output(P, t, hrow, hh, qd, m_run, l_run, [&](int j, int i, int k) -> float& { return o[j][2 * i + k]; });
 }
 
-// Split-KV combine: one CTA of 128 threads per (t, h); thread i owns columns 4i .. 4i+3.
+// Split-KV combine: one CTA of 128 threads per (t, h); thread i owns columns 4i .. 4i+3. Launched as a
+// programmatic dependent of the main kernel (sparse_attention_paged): it may start early and waits here
+// until the main kernel has completed and its partials are visible (a no-op for a plain launch).
 __global__ void __launch_bounds__(128) sparse_attn_combine_kernel(const __grid_constant__ AttnParams P) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const int64_t th = blockIdx.x;  // t * H + h
   const int64_t t = th / P.H;
   const int h = static_cast<int>(th % P.H);

@@ -296,6 +296,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
   const uint32_t sb = smem_u32(sm);
   const uint32_t full0 = sb + kBarOff, empty0 = sb + kBarOff + 16, rfull0 = sb + kBarOff + 32;
   const int tid = threadIdx.x;
+  // A programmatic dependent (the split-KV combine) may be scheduled once every CTA has started; it
+  // waits for this grid's completion itself (griddepcontrol.wait).
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   static_assert(!(kRed && kPersist), "one split per item when persistent");
   const int HT = P.H / 64;
   // Work items of this CTA: cluster units u = unit0, unit0 + ustride, .. < n_units (one, the CTA's

@@ -10,7 +10,8 @@ DEEPFUSE_SPARSE_DECODE_SPLIT=2 splits QK itself by keys (test_key_split_qk). DEE
 merges the split-KV partials inside a cluster of a row's splits instead of the combine kernel
 (test_split_reduce, test_split_reduce_matches_combine, graph and sanitize cases).
 DEEPFUSE_SPARSE_DECODE_PERSIST=1 runs one-split calls of more rows than one wave on persistent CTAs
-(test_persistent, sanitize cases).
+(test_persistent, sanitize cases). DEEPFUSE_SPARSE_ATTN_PDL=0 / 1 launches the split-KV combine as a
+programmatic dependent of the main kernel or not (test_combine_pdl, graph and sanitize cases).
 
 Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
 docstring): fresh random caches written by kv_store into NaN-poisoned pages, -1 holes,
@@ -33,6 +34,7 @@ ENV = "DEEPFUSE_SPARSE_DECODE"
 ENV_CLUSTER = "DEEPFUSE_SPARSE_DECODE_CLUSTER"
 ENV_REDUCE = "DEEPFUSE_SPARSE_DECODE_REDUCE"
 ENV_PERSIST = "DEEPFUSE_SPARSE_DECODE_PERSIST"
+ENV_PDL = "DEEPFUSE_SPARSE_ATTN_PDL"
 
 
 @pytest.fixture
@@ -41,6 +43,7 @@ def wg(monkeypatch):
     monkeypatch.delenv(ENV_CLUSTER, raising=False)  # the built-in defaults unless a test sets them
     monkeypatch.delenv(ENV_REDUCE, raising=False)
     monkeypatch.delenv(ENV_PERSIST, raising=False)
+    monkeypatch.delenv(ENV_PDL, raising=False)
     monkeypatch.delenv("DEEPFUSE_SPARSE_DECODE_SPLIT", raising=False)
 
 
@@ -198,6 +201,24 @@ def test_persistent(wg, monkeypatch, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dict(H=64, T=2, K1=128, K2=512, splits=10),
+    dict(H=128, T=3, K1=128, K2=512, splits=4, out_format="mxfp8"),
+    dict(H=64, T=4, K1=40, K2=300, splits=3, oob=True, idx64=True),
+])
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_combine_pdl(monkeypatch, case, kernel):
+    """DEEPFUSE_SPARSE_ATTN_PDL=1: the split-KV combine launched as a programmatic dependent of the main
+    kernel (the wgmma kernel releases it early; after the mma.sync kernel it starts at completion)
+    waits for the partials: the same bounds."""
+    monkeypatch.setenv(ENV, kernel)
+    monkeypatch.setenv(ENV_PDL, "1")
+    for k in (ENV_CLUSTER, ENV_REDUCE, ENV_PERSIST):
+        monkeypatch.delenv(k, raising=False)
+    _run_case(G=1, **case, seed=len(str(case)) + 37)
+
+
+@pytest.mark.gpu
 def test_switch_selects_the_kernel(monkeypatch):
     """Both kernels pass the same bounds; their fp32 summation orders differ, so the bf16 outputs
     differ in some elements: the switch reaches the launcher."""
@@ -218,11 +239,14 @@ def test_switch_selects_the_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,cluster,reduce", [(64, None, None), (128, "0", None), (128, None, None), (64, None, "1"),
-                                             (128, None, "1")])
-def test_cuda_graph(wg, monkeypatch, H, cluster, reduce):
+@pytest.mark.parametrize("H,cluster,reduce,pdl", [(64, None, None, None), (128, "0", None, None), (128, None, None, None),
+                                                 (64, None, "1", None), (128, None, "1", None), (64, None, None, "1"),
+                                                 (128, None, None, "1"), (64, None, None, "0")])
+def test_cuda_graph(wg, monkeypatch, H, cluster, reduce, pdl):
     if cluster is not None:
         monkeypatch.setenv(ENV_CLUSTER, cluster)
+    if pdl is not None:  # the combine as a programmatic dependent launch (or not) inside the graph
+        monkeypatch.setenv(ENV_PDL, pdl)
     if reduce is not None:  # the splits reduced in a cluster: no combine node in the graph
         monkeypatch.setenv(ENV_REDUCE, reduce)
     gen = torch.Generator().manual_seed(10 + H)
@@ -282,6 +306,7 @@ def test_cuda_graph(wg, monkeypatch, H, cluster, reduce):
     dict(H=128, T=3, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8", reduce="1"),
     dict(H=64, T=140, K1=40, K2=70, splits=1, oob=True, persist="1"),
     dict(H=128, T=70, K1=64, K2=64, splits=1, out_format="mxfp8", persist="1"),
+    dict(H=64, T=2, K1=128, K2=512, splits=10, pdl="1"),
 ])
 def test_sanitize(wg, monkeypatch, case):
     case = dict(case)
@@ -297,4 +322,7 @@ def test_sanitize(wg, monkeypatch, case):
     pe = case.pop("persist", None)
     if pe is not None:
         monkeypatch.setenv(ENV_PERSIST, pe)
+    pd = case.pop("pdl", None)
+    if pd is not None:
+        monkeypatch.setenv(ENV_PDL, pd)
     _run_case(G=1, **case, seed=3)
