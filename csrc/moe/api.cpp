@@ -4,6 +4,7 @@
 
 #include "common/api.h"
 #include "moe/moe.h"
+#include "moe/moe_prefill.h"
 
 namespace deepfuse {
 
@@ -162,6 +163,62 @@ void moe_experts(const TensorArg& x, const TensorArg& ids, const TensorArg& weig
                         weights.ptr<const float>(), out.data, workspace.data, as_cuda_stream(scope));
 }
 
+// Dense FP8 linears at large M through the prefill kernel (csrc/moe/moe_prefill.cu): x [M, K] bf16 / fp32
+// times w e4m3 [N, K] (block scales [ceil(N/128), ceil(K/128)] fp32 / UE8M0) -> out [M, N], or x [M, G, Kg]
+// times block-diagonal w [G R, Kg] -> out [M, G, R]; out of x's dtype. workspace: uint8, at least
+// fp8_linear_prefill_workspace_bytes(M, G Kg). bn: 128 / 256 forces the tile width (0: by the tile count);
+// cluster: 1 / 0 2-CTA clusters sharing the weight tile on / off (-1: the kernel's default).
+bool linear_prefill_shape(const char* op, const TensorArg& x, const TensorArg& w, int64_t& M, int64_t& G,
+                          int64_t& Kg, int64_t& R) {
+  Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).contiguous().aligned(16);
+  if (x.ndim != 2 && x.ndim != 3) Check(op, "x", x).fail("must have 2 dims ([M, K]) or 3 ([M, groups, K])");
+  M = x.size(0), G = x.ndim == 3 ? x.size(1) : 1, Kg = x.size(-1);
+  if (G < 1) Check(op, "x", x).fail("must have at least one group");
+  Check(op, "w", w).dtype(DType::kF8E4M3).dim(2).contiguous().aligned(16);
+  if (w.size(0) % G) Check(op, "w", w).fail("must have a multiple of the " + std::to_string(G) + " groups of x as rows");
+  R = w.size(0) / G;
+  Check(op, "w", w).shape({G * R, Kg});
+  return deepfuse::linear_prefill_supported(M, G, Kg, R);
+}
+
+int64_t fp8_linear_prefill_workspace_bytes(int64_t M, int64_t K) {
+  const char* op = "fp8_linear_prefill_workspace_bytes";
+  if (M < 0) arg_error(op, "M", "must be >= 0");
+  if (K < 1) arg_error(op, "K", "must be >= 1");
+  return deepfuse::linear_prefill_workspace_bytes(M, K);
+}
+
+void fp8_linear_prefill(const TensorArg& x, const TensorArg& w, const TensorArg& w_scale, const TensorArg& out,
+                        const TensorArg& workspace, int64_t bn, int64_t cluster) {
+  const char* op = "fp8_linear_prefill";
+  int64_t M, G, Kg, R;
+  const bool ok = linear_prefill_shape(op, x, w, M, G, Kg, R);
+  Check(op, "w_scale", w_scale).dtype({DType::kF32, DType::kU8}).shape({(G * R + 127) / 128, (Kg + 127) / 128})
+      .contiguous();
+  Check co(op, "out", out);
+  co.dtype(x.dtype);
+  if (x.ndim == 3) co.shape({M, G, R});
+  else co.shape({M, R});
+  co.contiguous();
+  if (bn != 0 && bn != 128 && bn != 256) arg_error(op, "bn", "must be 0, 128 or 256 (got " + std::to_string(bn) + ")");
+  Check(op, "workspace", workspace).dtype(DType::kU8).dim(1).contiguous().aligned(16);
+  check_same_cuda_device(op, {{"x", x}, {"w", w}, {"w_scale", w_scale}, {"out", out}, {"workspace", workspace}});
+  if (M == 0) return;
+  if (!ok)
+    Check(op, "x", x).fail("is outside the kernel (K % 16 == 0, K <= 8192 per group, even N; grouped: K and N "
+                           "multiples of 128 per group)");
+  const int64_t need = deepfuse::linear_prefill_workspace_bytes(M, G * Kg);
+  if (workspace.numel() < need)
+    Check(op, "workspace", workspace)
+        .fail("must hold at least " + std::to_string(need) + " bytes (fp8_linear_prefill_workspace_bytes)");
+  DeviceScope scope(op, "x", x);
+  const int mc = cluster < 0 ? -1 : cluster > 0 ? 1 : 0;
+  if (!deepfuse::linear_prefill(x.data, x.dtype == DType::kBF16, M, G, Kg, static_cast<const uint8_t*>(w.data),
+                                w_scale.data, w_scale.dtype == DType::kU8, R, out.data, x.dtype == DType::kF32,
+                                workspace.data, static_cast<int>(bn), mc, as_cuda_stream(scope)))
+    Check(op, "x", x).fail("could not be served (the driver refused a tensor map)");
+}
+
 }  // namespace api
 
 void register_moe(py::module_& m) {
@@ -180,6 +237,12 @@ void register_moe(py::module_& m) {
         "routed fp8 / mxfp4 experts (+ an fp8 shared expert) of x [T, d] -> out [T, d]; T <= stream_max_t "
         "(<= 256): the streaming decode kernels (0: the grouped kernels); T > 256 and T >= prefill_min_t (> 0): "
         "the prefill kernels (fp8 and mxfp4)");
+  m.def("fp8_linear_prefill_workspace_bytes", &api::fp8_linear_prefill_workspace_bytes, py::kw_only(), py::arg("M"),
+        py::arg("K"), "workspace bytes fp8_linear_prefill needs for x [M, K] (K: every group's columns)");
+  m.def("fp8_linear_prefill", &api::fp8_linear_prefill, py::kw_only(), py::arg("x"), py::arg("w"), py::arg("w_scale"),
+        py::arg("out"), py::arg("workspace"), py::arg("bn") = 0, py::arg("cluster") = -1,
+        "dense fp8 linear through the MoE prefill kernel: x [M, K] or [M, G, Kg] bf16 / fp32 times fp8 w "
+        "-> out [M, N] or [M, G, R] of x's dtype");
 }
 
 }  // namespace deepfuse

@@ -26,6 +26,9 @@
 // read different columns of their weight rows, spread over the DRAM channels, as in the decode
 // kernels; DEEPFUSE_MOE_PREFILL_NO_ROT=1 walks from chunk 0, for comparisons): a row's result
 // depends on its own inputs only (bitwise reproducible, independent of the plan's placement).
+// Dense mode (DENSE kernels, `linear_prefill`: quant_linear / grouped_linear with fp8 weights at large M):
+// the same kernel with one "expert" and no routing, tiles (group, m-tile, n-tile), bf16 / fp32 out; optionally
+// (MC = 2) 2-CTA clusters of two m-tiles, each CTA loading half of the 256 weight rows multicast to both.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -34,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "common/arch.h"
 #include "common/cuda_utils.h"
@@ -76,6 +80,45 @@ struct Args {
   int rotate;             // 1: each tile walks K from a chunk that depends on (n-tile, expert) only
 };
 
+// Dense mode (fp8 linears, the DENSE kernels; the MoE kernels keep Args): G groups (block-diagonal
+// weights; 1: dense) of R weight rows each, M rows, tiles (group, m unit, n-tile), m unit fastest when
+// m_fast; out [M, out_pitch] bf16 / fp32.
+struct DenseArgs : Args {
+  int M, G, R, mtiles, dense_total, out_pitch, out_f32, m_fast;
+  int munits;             // m units per (group, n-tile): m-tiles, or pairs of them (MC = 2)
+};
+template <bool DENSE>
+using ArgsOf = std::conditional_t<DENSE, DenseArgs, Args>;
+
+// The tile's (group, m-tile, n-tile) in dense mode.
+struct DenseTile {
+  int g, r0, r1, t;
+};
+// MC = 2: tile counts m-tile pairs (a 2-CTA cluster; rank: which of the pair), r1 <= r0 past M.
+template <int MC>
+__device__ __forceinline__ DenseTile dense_tile(const DenseArgs& a, int tile, int rank) {
+  const int per = a.munits * a.ntiles, g = tile / per, rem = tile - g * per;
+  const int mu = a.m_fast ? rem % a.munits : rem / a.ntiles;
+  const int t = a.m_fast ? rem / a.munits : rem % a.ntiles;
+  const int r0 = (mu * MC + rank) * kBM;
+  return DenseTile{g, r0, min(a.M, r0 + kBM), t};
+}
+
+// 2-CTA clusters (dense MC = 2): the weight tile multicast to both CTAs, consumers release both CTAs' stages.
+__device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
+                                               uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_peer(uint32_t bar, int peer) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(bar), "r"(peer));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(r) : "memory");
+}
+
 // BN weight rows per tile (128 or 256: NH halves of 128 = one m64n128k32 wgmma group each per
 // warpgroup). GEMM1: the w1 rows of BN / 2 columns, then the w3 rows of the same columns; GEMM2: BN
 // w2 rows. Weight block scales: GEMM1 w1 | w3 (each tile inside one 128-row block); GEMM2 BN = 256
@@ -96,12 +139,8 @@ struct Cfg {
 // src rows (through rows[], or the position itself) -> q [P, K] e4m3 + sT [K / 128, Pp] fp32 for
 // the plan's valid positions. One CTA of 256 threads per position; 16 lanes per 128-group.
 template <typename AT>
-__global__ void __launch_bounds__(256) gather_cast_kernel(const AT* __restrict__ src, const int* __restrict__ rows,
-                                                          const int* __restrict__ tasks, const int* __restrict__ ntasks,
-                                                          int K, int64_t Pp, uint8_t* __restrict__ q,
-                                                          float* __restrict__ sT) {
-  const int nt = *ntasks;
-  const int valid = nt > 0 ? tasks[(nt - 1) * 3 + 2] : 0;
+__device__ __forceinline__ void cast_row(const AT* __restrict__ src, const int* __restrict__ rows, int valid, int K,
+                                         int64_t Pp, uint8_t* __restrict__ q, float* __restrict__ sT) {
   const int p = blockIdx.x;
   if (p >= valid) return;
   const int64_t row = rows != nullptr ? rows[p] : p;
@@ -125,6 +164,22 @@ __global__ void __launch_bounds__(256) gather_cast_kernel(const AT* __restrict__
   }
 }
 
+template <typename AT>
+__global__ void __launch_bounds__(256) gather_cast_kernel(const AT* __restrict__ src, const int* __restrict__ rows,
+                                                          const int* __restrict__ tasks, const int* __restrict__ ntasks,
+                                                          int K, int64_t Pp, uint8_t* __restrict__ q,
+                                                          float* __restrict__ sT) {
+  const int nt = *ntasks;
+  cast_row(src, rows, nt > 0 ? tasks[(nt - 1) * 3 + 2] : 0, K, Pp, q, sT);
+}
+
+// Dense linears: rows 0 .. M - 1 as they are.
+template <typename AT>
+__global__ void __launch_bounds__(256) dense_cast_kernel(const AT* __restrict__ src, int M, int K, int64_t Pp,
+                                                         uint8_t* __restrict__ q, float* __restrict__ sT) {
+  cast_row(src, static_cast<const int*>(nullptr), M, K, Pp, q, sT);
+}
+
 __device__ __forceinline__ float sel4(const float (&r)[kMaxKB / 32], int j) {
   float v = r[0];
 #pragma unroll
@@ -132,8 +187,8 @@ __device__ __forceinline__ float sel4(const float (&r)[kMaxKB / 32], int j) {
   return v;
 }
 
-template <bool SWIGLU, int BN>
-__global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, const __grid_constant__ Maps maps) {
+template <bool SWIGLU, int BN, bool DENSE = false, int MC = 1>
+__global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const ArgsOf<DENSE> a, const __grid_constant__ Maps maps) {
 #if DEEPFUSE_SM90A_DEVICE
   using C = Cfg<BN>;
   constexpr int kStages = C::kStages, kStage = C::kStage, kStageB = C::kStageB, NH = C::NH;
@@ -144,16 +199,27 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
   uint64_t* full = reinterpret_cast<uint64_t*>(base + C::kOffBar);
   uint64_t* empty = full + kStages;
   const int tid = threadIdx.x;
-  const int total = *a.ntasks * a.ntiles;
-  if (static_cast<int>(blockIdx.x) >= total) return;  // the whole CTA
+  // MC = 2 (dense, BN = 256): clusters of 2 CTAs walk m-tile pairs of one n-tile; CTA `rank` loads
+  // its A and the weight half `rank`, multicast to both (each CTA's ring holds the whole tile)
+  static_assert(MC == 1 || (DENSE && BN == 256 && MC == 2), "clusters: dense 128 x 256 only");
+  const int rank = MC == 2 ? static_cast<int>(blockIdx.x & 1) : 0;
+  const int cta = static_cast<int>(blockIdx.x) / MC, ctas = static_cast<int>(gridDim.x) / MC;
+  int total;
+  if constexpr (DENSE) total = a.dense_total;
+  else total = *a.ntasks * a.ntiles;
+  if (cta >= total) return;  // the whole CTA (MC = 2: the whole cluster)
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       tma::mbar_init(tma::smem_u32(full + s), 1);
-      tma::mbar_init(tma::smem_u32(empty + s), 8);  // one arrival per consumer warp
+      tma::mbar_init(tma::smem_u32(empty + s), 8 * MC);  // one arrival per consumer warp (of both CTAs)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (MC == 2) {  // the peer's barriers are initialised before anything reaches them
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  } else {
+    __syncthreads();
+  }
   const int KB = a.KB;
 
   // BN = 256 needs 128 + 64 accumulator registers per consumer thread: the producer warpgroup gives
@@ -163,13 +229,20 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
     if (tid >= kConsumers + 32) return;
     const int lane = tid & 31;
     int i = 0;
-    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-      const int task = tile / a.ntiles, t = tile % a.ntiles;
-      const int e = a.tasks[task * 3], r0 = a.tasks[task * 3 + 1];
-      const bool sh = e == a.E;
+    for (int tile = cta; tile < total; tile += ctas) {
+      int t, e, r0, g = 0;
+      if constexpr (DENSE) {
+        const DenseTile d = dense_tile<MC>(a, tile, rank);
+        t = d.t, e = 0, r0 = d.r0, g = d.g;
+      } else {
+        const int task = tile / a.ntiles;
+        t = tile % a.ntiles, e = a.tasks[task * 3], r0 = a.tasks[task * 3 + 1];
+      }
+      const bool sh = !DENSE && e == a.E;
       // the tile's weight block scales over K, lane l holding chunks l, l + 32, ...: r0s the first
       // half's (GEMM1 BN = 128: the w1 rows), r1s the second's (the w3 rows; GEMM2 BN = 256: the next block)
-      const int nb0 = SWIGLU ? (t * (BN / 2)) / 128 : t * NH;
+      int nb0 = SWIGLU ? (t * (BN / 2)) / 128 : t * NH;
+      if constexpr (DENSE) nb0 = (g * a.R + t * BN) / 128;
       const int nb1 = SWIGLU ? nb0 : nb0 + 1;
       const void* sp0 = sh ? a.sscale0 : a.scale0;
       const void* sp1 = sh ? a.sscale1 : a.scale1;
@@ -190,8 +263,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
       }
       const CUtensorMap* m0 = sh ? &maps.s0 : &maps.w0;
       const CUtensorMap* m1 = sh ? &maps.s1 : &maps.w1;
-      const int rb = sh ? 0 : e * a.N;  // weight rows per expert: GEMM1 inter, GEMM2 d
-      const int rot = a.rotate ? (t * 5 + e * 11) % KB : 0;
+      // weight rows per expert: GEMM1 inter, GEMM2 d; dense: R per group
+      int rb = sh ? 0 : e * a.N, rot = a.rotate ? (t * 5 + e * 11) % KB : 0;
+      if constexpr (DENSE) {  // the start depends on the 256 columns only (a row's result independent of M and BN)
+        rb = g * a.R;
+        rot = a.rotate ? ((t * BN) / 256 * 5 + g * 11) % KB : 0;
+      }
+      const int ka = DENSE ? g * KB : 0;  // dense: the group's first chunk in A's rows and scale rows
       for (int u = 0; u < KB; ++u, ++i) {
         const int kb = u + rot < KB ? u + rot : u + rot - KB;
         const float w0 = __shfl_sync(0xffffffffu, sel4(r0s, kb >> 5), kb & 31);
@@ -204,11 +282,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
           const uint32_t bar = tma::smem_u32(full + st);
           const uint32_t dA = tma::smem_u32(base + st * kStage), dB = dA + kStageA;
           tma::mbar_expect_tx(bar, kStage + kASBox * 4);
-          tma::tma_load_2d(dA, &maps.a, kb * 128, r0, bar);
-          tma::tma_load_2d(tma::smem_u32(sAS + st * kASStride), &maps.as, r0 & ~3, kb, bar);
+          tma::tma_load_2d(dA, &maps.a, (ka + kb) * 128, r0, bar);
+          tma::tma_load_2d(tma::smem_u32(sAS + st * kASStride), &maps.as, r0 & ~3, ka + kb, bar);
           if (SWIGLU) {  // w1 rows, then the w3 rows of the same BN / 2 columns
             tma::tma_load_2d(dB, m0, kb * 128, rb + t * (BN / 2), bar);
             tma::tma_load_2d(dB + kStageB / 2, m1, kb * 128, rb + t * (BN / 2), bar);
+          } else if constexpr (MC == 2) {  // this CTA's half of the weight rows, into both CTAs
+            tma_load_2d_mc(dB + rank * 16384, m0, kb * 128, rb + t * BN + rank * 128, bar, 3);
           } else {  // (BN = 256 on the last tile of an expert whose rows end at 128: the next rows, not stored)
 #pragma unroll
             for (int h = 0; h < NH; ++h) tma::tma_load_2d(dB + h * 16384, m0, kb * 128, rb + t * BN + h * 128, bar);
@@ -216,6 +296,14 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
         }
         __syncwarp();
       }
+    }
+    if constexpr (MC == 2) {  // no exit while the peer's consumers may still arrive on this CTA's barriers
+      if (lane == 0)
+        for (int s = 0; s < kStages && s < i; ++s) {
+          const int il = s + (i - 1 - s) / kStages * kStages;  // the last chunk in stage s
+          tma::mbar_wait(tma::smem_u32(empty + s), (il / kStages) & 1);
+        }
+      __syncwarp();
     }
     return;
   }
@@ -226,9 +314,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
   const int m0r = wg * 64 + wq * 16 + g;  // this thread's tile rows m0r, m0r + 8
   int i = 0;
   float acc[NH * 64];
-  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const int task = tile / a.ntiles, t = tile % a.ntiles;
-    const int r0 = a.tasks[task * 3 + 1], r1 = a.tasks[task * 3 + 2];
+  for (int tile = cta; tile < total; tile += ctas) {
+    int t, r0, r1, g = 0;
+    if constexpr (DENSE) {
+      const DenseTile d = dense_tile<MC>(a, tile, rank);
+      t = d.t, r0 = d.r0, r1 = d.r1, g = d.g;
+    } else {
+      const int task = tile / a.ntiles;
+      t = tile % a.ntiles, r0 = a.tasks[task * 3 + 1], r1 = a.tasks[task * 3 + 2];
+    }
 #pragma unroll
     for (int c = 0; c < NH * 64; ++c) acc[c] = 0.0f;
     for (int u = 0; u < KB; ++u, ++i) {
@@ -252,7 +346,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
         gemm::fence_regs(part);
         if (h == NH - 1) {
           __syncwarp();
-          if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
+          if (lane == 0) {
+            tma::mbar_arrive(tma::smem_u32(empty + st));
+            if constexpr (MC == 2) mbar_arrive_peer(tma::smem_u32(empty + st), rank ^ 1);
+          }
         }
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -270,7 +367,22 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
     for (int hr = 0; hr < 2; ++hr) {
       const int p = r0 + m0r + 8 * hr;
       if (p >= r1) continue;
-      if (SWIGLU) {  // gate column c in acc[4 j ..], its up column in acc[BN / 4 + 4 j ..]
+      if constexpr (DENSE) {  // columns t BN + 8 j + 2 t4 (+ 1) of group g, those < R stored
+        const int c0 = t * BN + 2 * t4;
+        const int64_t o = static_cast<int64_t>(p) * a.out_pitch + static_cast<int64_t>(g) * a.R + c0;  // dense only
+        if (a.out_f32) {
+          float* y = static_cast<float*>(a.out) + o;
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j)
+            if (c0 + 8 * j < a.R) *reinterpret_cast<float2*>(y + 8 * j) = make_float2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+        } else {
+          __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.out) + o;
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j)
+            if (c0 + 8 * j < a.R)
+              *reinterpret_cast<__nv_bfloat162*>(y + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+        }
+      } else if (SWIGLU) {  // gate column c in acc[4 j ..], its up column in acc[BN / 4 + 4 j ..]
         __nv_bfloat16* h =
             static_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(p) * a.N + t * (BN / 2) + 2 * t4;
 #pragma unroll
@@ -294,9 +406,40 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const Args a, 
 #endif
 }
 
-template <bool SWIGLU, int BN>
-void launch(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
-  auto kern = moe_prefill_kernel<SWIGLU, BN>;
+// Dense 2-CTA clusters: grid = 2 x min(the clusters that fit at once, the tile pairs).
+void launch_dense_mc(const DenseArgs& a, const Maps& maps, cudaStream_t stream) {
+  auto kern = moe_prefill_kernel<false, 256, true, 2>;
+  constexpr int smem = Cfg<256>::kSmem;
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = 2;
+  at[0].val.clusterDim.y = 1;
+  at[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  static const int clusters = [&] {
+    check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+               "cudaFuncSetAttribute(moe_prefill_kernel)");
+    cudaLaunchConfig_t q = cfg;
+    q.gridDim = dim3(2 * 66, 1, 1);
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kern, &q) != cudaSuccess || n < 1) {
+      cudaGetLastError();
+      n = num_sms() / 2;
+    }
+    return n;
+  }();
+  cfg.gridDim = dim3(2 * std::min(clusters, a.dense_total), 1, 1);
+  check_cuda(cudaLaunchKernelEx(&cfg, kern, a, maps), "moe_prefill_kernel (clusters)");
+}
+
+template <bool SWIGLU, int BN, bool DENSE = false>
+void launch(const ArgsOf<DENSE>& a, const Maps& maps, int grid, cudaStream_t stream) {
+  auto kern = moe_prefill_kernel<SWIGLU, BN, DENSE>;
   constexpr int smem = Cfg<BN>::kSmem;
   static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute(moe_prefill_kernel)");
@@ -772,6 +915,77 @@ bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t
   const int g2 = static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles));
   if (BN == 256) launch<false, 256>(a2, m2, g2, stream);
   else launch<false, 128>(a2, m2, g2, stream);
+  return true;
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Dense FP8 linears (quant_linear / grouped_linear at large M): the fp8 kernel above with one
+// "expert" and no routing: tiles (group, 128 rows, BN weight rows) over x cast per 128 into the
+// workspace (the gather cast without rows: fp8_per_token_cast's math), the output in x's dtype.
+constexpr bool kLinearPrefillCluster = false;  // 2-CTA clusters by default (fp8_linear_prefill's cluster=-1)
+
+int64_t linear_prefill_workspace_bytes(int64_t M, int64_t K) {
+  const int64_t q = (M * K + 255) / 256 * 256;
+  return q + (K + 127) / 128 * moe_prefill_pitch(M) * 4;
+}
+
+bool linear_prefill_supported(int64_t M, int64_t G, int64_t Kg, int64_t R) {
+  if (M < 1 || G < 1 || R < 2 || R % 2 || Kg < 16 || Kg % 16 || (Kg + 127) / 128 > kMaxKB) return false;
+  if (G > 1 && (Kg % 128 || R % 128)) return false;  // a group's chunks and weight blocks its own
+  return M <= (1LL << 30) / 128 && G * R <= (1LL << 31) - 1 && M * G * Kg < (1LL << 40);
+}
+
+bool linear_prefill(const void* x, bool x_bf16, int64_t M, int64_t G, int64_t Kg, const uint8_t* w, const void* scale,
+                    bool scale_u8, int64_t R, void* out, bool out_f32, void* workspace, int force_bn, int cluster,
+                    cudaStream_t stream) {
+  if (!linear_prefill_supported(M, G, Kg, R)) return false;
+  require_sm90a("fp8_linear_prefill");
+  const int64_t K = G * Kg, KB = (Kg + 127) / 128, Pp = moe_prefill_pitch(M);
+  uint8_t* q = static_cast<uint8_t*>(workspace);
+  float* sT = reinterpret_cast<float*>(q + (M * K + 255) / 256 * 256);
+  const int sms = num_sms();
+  const int mtiles = static_cast<int>((M + kBM - 1) / kBM);
+  // 128 x 256 tiles unless 128 x 128 fill the SMs in fewer rounds (a 256 tile costs ~1.74 128 tiles)
+  const int64_t t256 = G * mtiles * ((R + 255) / 256), t128 = G * mtiles * ((R + 127) / 128);
+  int BN = (t256 + sms - 1) / sms * 100 <= (t128 + sms - 1) / sms * 58 ? 256 : 128;
+  if (force_bn == 128 || force_bn == 256) BN = force_bn;
+  Maps m{};
+  if (!tma::encode_u8_2d(m.a, q, M, K, 128, kBM, true)) return false;
+  if (!encode_f32_2d(m.as, sT, G * KB, M, Pp, kASBox)) return false;
+  if (!tma::encode_u8_2d(m.w0, w, G * R, Kg, 128, 128, true)) return false;
+  m.w1 = m.s0 = m.s1 = m.w0;
+  if (x_bf16)
+    dense_cast_kernel<__nv_bfloat16><<<static_cast<unsigned>(M), 256, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x), static_cast<int>(M), static_cast<int>(K), Pp, q, sT);
+  else
+    dense_cast_kernel<float><<<static_cast<unsigned>(M), 256, 0, stream>>>(
+        static_cast<const float*>(x), static_cast<int>(M), static_cast<int>(K), Pp, q, sT);
+  check_launch("dense_cast_kernel (linear x)");
+  DenseArgs a{};
+  a.K = static_cast<int>(Kg), a.N = static_cast<int>(R), a.E = 1, a.KB = static_cast<int>(KB);
+  a.scale0 = a.scale1 = scale, a.scale_u8 = scale_u8;
+  a.sscale0 = a.sscale1 = scale, a.sscale_u8 = scale_u8;
+  a.NBw = static_cast<int>((G * R + 127) / 128);
+  a.ntiles = static_cast<int>((R + BN - 1) / BN);
+  a.out = out, a.rotate = std::getenv("DEEPFUSE_MOE_PREFILL_NO_ROT") == nullptr;
+  a.M = static_cast<int>(M), a.G = static_cast<int>(G), a.R = static_cast<int>(R), a.mtiles = mtiles;
+  a.dense_total = static_cast<int>(G * mtiles * a.ntiles);
+  a.out_pitch = static_cast<int>(G * R), a.out_f32 = out_f32;
+  a.m_fast = M <= G * R;  // the smaller operand is the one re-read from L2 by every round of CTAs
+  a.munits = mtiles;
+  // 128 x 256 tiles of two m-tiles in a 2-CTA cluster (the weight tile read once from L2 for both) where
+  // there are at least two m-tiles; cluster: 1 on, 0 off, < 0 the default (kLinearPrefillCluster)
+  const bool mc = BN == 256 && mtiles >= 2 && (cluster < 0 ? kLinearPrefillCluster : cluster > 0);
+  if (mc) {
+    a.munits = (mtiles + 1) / 2;
+    a.dense_total = static_cast<int>(G * a.munits * a.ntiles);
+    launch_dense_mc(a, m, stream);
+    return true;
+  }
+  const int grid = std::min(sms, a.dense_total);
+  if (BN == 256) launch<false, 256, true>(a, m, grid, stream);
+  else launch<false, 128, true>(a, m, grid, stream);
   return true;
 }
 

@@ -38,4 +38,15 @@ bool moe_prefill_supported(const MoeProblem& p);
 // false: not served (nothing launched).
 bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t stream);
 
+// Dense FP8 linears at large M through the same fp8 kernel (one group, no routing): x [M, G Kg] bf16 / fp32
+// (cast per 128 into the workspace) times w e4m3 [G R, Kg] (block-diagonal when G > 1: group g of x
+// through rows g R ..) with 128 x 128 block scales [ceil(G R / 128), ceil(Kg / 128)] fp32 / UE8M0
+// -> out [M, G R] bf16 / fp32. force_bn: 128 / 256 tiles (0: by the tile count); cluster: 2-CTA clusters
+// sharing the weight tile (1 / 0; < 0: the default). false: not served.
+int64_t linear_prefill_workspace_bytes(int64_t M, int64_t K);
+bool linear_prefill_supported(int64_t M, int64_t G, int64_t Kg, int64_t R);
+bool linear_prefill(const void* x, bool x_bf16, int64_t M, int64_t G, int64_t Kg, const uint8_t* w, const void* scale,
+                    bool scale_u8, int64_t R, void* out, bool out_f32, void* workspace, int force_bn, int cluster,
+                    cudaStream_t stream);
+
 }  // namespace deepfuse

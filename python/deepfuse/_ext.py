@@ -57,6 +57,7 @@ def _check_device(index: int) -> None:
 _KERNEL_ARCHS: dict[str, tuple[str, ...]] = {
     "fp8_linear": ("90a",),  # wgmma (csrc/gemm/grouped_gemm_sm90.cuh)
     "moe_experts": ("90a",),  # wgmma (the same grouped GEMM)
+    "fp8_linear_prefill": ("90a",),  # wgmma (csrc/moe/moe_prefill.cu, dense mode)
 }
 
 

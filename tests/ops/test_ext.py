@@ -75,7 +75,7 @@ def fake_device(monkeypatch):
 LAUNCHERS = ("fp8_group_cast", "fp8_block_cast", "topk", "kv_store", "indexer_key_store", "kv_window_copy",
              "sparse_attention_paged", "moe_route", "moe_experts", "fp8_linear", "hc_mix", "hc_post", "norm_rope",
              "compress_store", "state_store", "indexer_logits_paged", "engram_hash", "engram_lookup", "engram_embed",
-             "engram_gate")
+             "engram_gate", "fp8_linear_prefill")
 
 
 def test_sm100_op_table(fake_device):
@@ -89,7 +89,7 @@ def test_sm100_op_table(fake_device):
 
     fake.calls.clear()
     blackwell = on((10, 0))
-    wgmma_only = {"fp8_linear", "moe_experts"}
+    wgmma_only = {"fp8_linear", "moe_experts", "fp8_linear_prefill"}
     assert set(_ext._KERNEL_ARCHS) == wgmma_only
     for name in LAUNCHERS:
         assert _ext.has_kernel(name, torch.device("cuda", 0)) == (name not in wgmma_only), name

@@ -146,6 +146,22 @@ def _linear_reference(op_name: str, why: Optional[str]) -> bool:
     return True
 
 
+# prefill (h29p): fp8 linears at M >= PREFILL_MIN_M run the dense mode of the MoE prefill kernel where it
+# measured faster (ops/linear_prefill.py, docs/notes/moe.md); 0: off (cuBLASLt / the grouped kernel as before).
+PREFILL_MIN_M = 65
+
+
+def _prefill(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> bool:  # prefill (h29p)
+    from deepfuse.ops import linear_prefill
+
+    M, G, Kg = x.shape[0], x.shape[1] if x.dim() == 3 else 1, x.shape[-1]
+    if linear_prefill.gap(x.dtype, M, G, Kg, w.shape[0] // G, w, scale) is not None or \
+            not linear_prefill.preferred(M, G, Kg):
+        return False
+    linear_prefill.run(x, w, scale, out)
+    return True
+
+
 def _scaled_mm_fp8(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype) -> torch.Tensor:
     """cuBLASLt with DeepSeek block scales: 1 x 128 activation scales (outer-dim-major) and the
     128 x 128 weight scales repeated over their rows as [K/128, N]."""
@@ -174,6 +190,10 @@ def _(x, w, scale, fmt):
     K, N = x.shape[-1], w.shape[0]
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
+    if PREFILL_MIN_M and M >= PREFILL_MIN_M and fmt == "fp8":  # prefill (h29p)
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        if _prefill(x2, w, scale, out):
+            return out.view(*x.shape[:-1], N)
     if fmt == "fp8" and M > SMALL_M and K % 128 == 0 and x.dtype == torch.bfloat16:
         try:
             return _scaled_mm_fp8(x2, w, scale, x.dtype).view(*x.shape[:-1], N)
@@ -214,6 +234,9 @@ def _(x, w, scale, fmt):
     x3 = x.reshape(-1, G, Kg).contiguous()
     M = x3.shape[0]
     out = torch.empty(*x.shape[:-1], R, dtype=x.dtype, device=x.device)
+    if PREFILL_MIN_M and M >= PREFILL_MIN_M and fmt == "fp8":  # prefill (h29p)
+        if _prefill(x3, w, scale, out.view(M, G, R)):
+            return out
     if M:
         _fp8_linear(x3, w, scale, out.view(M, G, R))
     return out
