@@ -307,7 +307,7 @@ def test_cuda_graph(wg, monkeypatch, H, cluster, reduce, pdl):
     dict(H=64, T=140, K1=40, K2=70, splits=1, oob=True, persist="1"),
     dict(H=128, T=70, K1=64, K2=64, splits=1, out_format="mxfp8", persist="1"),
     dict(H=64, T=2, K1=128, K2=512, splits=10, pdl="1"),
-])
+], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))  # (-k selects by switch: reduce, persist, pdl)
 def test_sanitize(wg, monkeypatch, case):
     case = dict(case)
     cl = case.pop("cluster", None)
