@@ -518,7 +518,12 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
 
 // NDEC decode warps (warps 9 ..): 3 (384 threads, 168 registers each) or 7 (512 threads: the two
 // non-consumer warpgroups drop to 88 registers, the consumers rise to 168).
-template <bool SWIGLU, int NDEC, int S>
+// RACE (a checking variant for compute-sanitizer's racecheck, DEEPFUSE_MOE_PREFILL_MX_RACE=1; same results):
+// every thread that touched cs[] / sWS arrives on the stage's barriers itself (dfull: every decode thread;
+// empty: every consumer and decode thread) instead of lane 0 after __syncwarp, and the decode warps wait on
+// `empty` of chunk i - S themselves (implied by their wait on `full`, which racecheck sees only through the
+// TMA's complete-tx): the same happens-before edges, each stated per thread.
+template <bool SWIGLU, int NDEC, int S, bool RACE = false>
 __global__ void __launch_bounds__(kConsumers + 32 + 32 * NDEC, 1)
     moe_prefill_mx_kernel(const Args a, const __grid_constant__ Maps maps) {
 #if DEEPFUSE_SM90A_DEVICE
@@ -540,8 +545,8 @@ __global__ void __launch_bounds__(kConsumers + 32 + 32 * NDEC, 1)
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       tma::mbar_init(tma::smem_u32(full + s), 1 + 32);  // expect_tx + the producer lanes' cp.async arrivals
-      tma::mbar_init(tma::smem_u32(empty + s), 8 + NDEC);  // consumer warps + decode warps
-      tma::mbar_init(tma::smem_u32(dfull + s), NDEC);  // one arrival per decode warp
+      tma::mbar_init(tma::smem_u32(empty + s), RACE ? kConsumers + 32 * NDEC : 8 + NDEC);  // consumer + decode warps
+      tma::mbar_init(tma::smem_u32(dfull + s), RACE ? 32 * NDEC : NDEC);  // one arrival per decode warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -558,6 +563,8 @@ __global__ void __launch_bounds__(kConsumers + 32 + 32 * NDEC, 1)
         for (int u = 0; u < KB; ++u, ++i) {
           const int st = i % S;
           tma::mbar_wait(tma::smem_u32(full + st), (i / S) & 1);
+          if constexpr (RACE)
+            if (i >= S) tma::mbar_wait(tma::smem_u32(empty + st), ((i / S) - 1) & 1);
           float* cs = sCS + st * 128;
           if (sh) {  // fp8 block scale per column (GEMM1: w1 columns 0..63, w3 64..127)
             const float w0 = sWS[st * 2], w1 = sWS[st * 2 + 1];
@@ -600,7 +607,7 @@ __global__ void __launch_bounds__(kConsumers + 32 + 32 * NDEC, 1)
           }
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // B (generic stores) -> wgmma
           __syncwarp();
-          if (lane == 0) {
+          if (RACE || lane == 0) {
             tma::mbar_arrive(tma::smem_u32(dfull + st));
             tma::mbar_arrive(tma::smem_u32(empty + st));
           }
@@ -727,7 +734,7 @@ __global__ void __launch_bounds__(kConsumers + 32 + 32 * NDEC, 1)
         d[3] += part[4 * j + 3] * (sa1 * w.y);
       }
       __syncwarp();
-      if (lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
+      if (RACE || lane == 0) tma::mbar_arrive(tma::smem_u32(empty + st));
     }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -755,9 +762,9 @@ __global__ void __launch_bounds__(kConsumers + 32 + 32 * NDEC, 1)
 #endif
 }
 
-template <bool SWIGLU, int NDEC, int S>
+template <bool SWIGLU, int NDEC, int S, bool RACE = false>
 void launch_mx(const Args& a, const Maps& maps, int grid, cudaStream_t stream) {
-  auto kern = moe_prefill_mx_kernel<SWIGLU, NDEC, S>;
+  auto kern = moe_prefill_mx_kernel<SWIGLU, NDEC, S, RACE>;
   constexpr int smem = MxCfg<S>::kSmem;
   static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute(moe_prefill_mx_kernel)");
@@ -834,6 +841,7 @@ bool moe_prefill_gemms_mx(const MoeProblem& p, const MoePrefillIO& io, cudaStrea
   const char* st_env = std::getenv("DEEPFUSE_MOE_PREFILL_MX_STAGES");
   const bool dec7 = !(dec_env != nullptr && std::atoi(dec_env) == 3);
   const bool st4 = st_env != nullptr && std::atoi(st_env) == 4;
+  const bool race = std::getenv("DEEPFUSE_MOE_PREFILL_MX_RACE") != nullptr;  // the racecheck variant (7 warps, 5 stages)
   gather_cast(io, io.x, io.x_bf16, io.rows, p.d, io.xp, io.xsT, stream, "gather_cast_kernel (moe x)");
 
   Args a1{};
@@ -844,7 +852,8 @@ bool moe_prefill_gemms_mx(const MoeProblem& p, const MoePrefillIO& io, cudaStrea
   a1.tasks = io.tasks, a1.ntasks = io.ntasks, a1.ntiles = p.inter / 64;
   a1.out = io.h, a1.limit = p.limit, a1.rotate = rotate;
   const int g1 = static_cast<int>(std::min<int64_t>(sms, io.U * a1.ntiles));
-  if (!dec7) launch_mx<true, 3, 5>(a1, m1, g1, stream);
+  if (race) launch_mx<true, 7, 5, true>(a1, m1, g1, stream);
+  else if (!dec7) launch_mx<true, 3, 5>(a1, m1, g1, stream);
   else if (st4) launch_mx<true, 7, 4>(a1, m1, g1, stream);
   else launch_mx<true, 7, 5>(a1, m1, g1, stream);
 
@@ -858,7 +867,8 @@ bool moe_prefill_gemms_mx(const MoeProblem& p, const MoePrefillIO& io, cudaStrea
   a2.tasks = io.tasks, a2.ntasks = io.ntasks, a2.ntiles = p.d / 128;
   a2.out = io.Y, a2.row_weight = io.wrow, a2.rotate = rotate;
   const int g2 = static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles));
-  if (!dec7) launch_mx<false, 3, 5>(a2, m2, g2, stream);
+  if (race) launch_mx<false, 7, 5, true>(a2, m2, g2, stream);
+  else if (!dec7) launch_mx<false, 3, 5>(a2, m2, g2, stream);
   else if (st4) launch_mx<false, 7, 4>(a2, m2, g2, stream);
   else launch_mx<false, 7, 5>(a2, m2, g2, stream);
   return true;
