@@ -104,6 +104,39 @@ __device__ __forceinline__ DenseTile dense_tile(const DenseArgs& a, int tile, in
   return DenseTile{g, r0, min(a.M, r0 + kBM), t};
 }
 
+// Dense bf16 epilogue with 16-byte stores (EPI): a quad's lanes hold columns 8 j + 2 t4, + 1 of a row; per
+// four j the quad transposes its 4 x 4 words (two shfl_xor rounds) so that lane t4 holds columns
+// 32 q + 8 t4 .. + 7: one 16-byte store per lane instead of four 4-byte ones (full 32-byte sectors).
+// Needs R and the row pitch multiples of 8 (host).
+template <int BN>
+__device__ __forceinline__ void dense_store16(const DenseArgs& a, const float (&acc)[BN / 2], int r0, int r1, int m0r,
+                                              int t, int g, int t4) {
+  const bool b1 = t4 & 2, b0 = t4 & 1;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int p = r0 + m0r + 8 * hr;
+    const bool ok = p < r1;
+    __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(ok ? p : r0) * a.out_pitch +
+                       static_cast<int64_t>(g) * a.R;
+#pragma unroll
+    for (int q = 0; q < BN / 32; ++q) {
+      uint32_t w[4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[16 * q + 4 * jj + 2 * hr], acc[16 * q + 4 * jj + 2 * hr + 1]);
+        w[jj] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      uint32_t x0 = __shfl_xor_sync(0xffffffffu, b1 ? w[0] : w[2], 2);
+      uint32_t x1 = __shfl_xor_sync(0xffffffffu, b1 ? w[1] : w[3], 2);
+      const uint32_t y0 = b1 ? x0 : w[0], y1 = b1 ? x1 : w[1], y2 = b1 ? w[2] : x0, y3 = b1 ? w[3] : x1;
+      x0 = __shfl_xor_sync(0xffffffffu, b0 ? y0 : y1, 1);
+      x1 = __shfl_xor_sync(0xffffffffu, b0 ? y2 : y3, 1);
+      const int c = t * BN + 32 * q + 8 * t4;
+      if (ok && c < a.R) *reinterpret_cast<uint4*>(y + c) = b0 ? make_uint4(x0, y1, x1, y3) : make_uint4(y0, x0, y2, x1);
+    }
+  }
+}
+
 // 2-CTA clusters (dense MC = 2): the weight tile multicast to both CTAs, consumers release both CTAs' stages.
 __device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
                                                uint16_t mask) {
@@ -187,7 +220,7 @@ __device__ __forceinline__ float sel4(const float (&r)[kMaxKB / 32], int j) {
   return v;
 }
 
-template <bool SWIGLU, int BN, bool DENSE = false, int MC = 1>
+template <bool SWIGLU, int BN, bool DENSE = false, int MC = 1, bool EPI = false>
 __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const ArgsOf<DENSE> a, const __grid_constant__ Maps maps) {
 #if DEEPFUSE_SM90A_DEVICE
   using C = Cfg<BN>;
@@ -363,8 +396,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_prefill_kernel(const ArgsOf<D
       }
     }
     // epilogue: rows m0r (acc[4 j + b]) and m0r + 8 (acc[4 j + 2 + b]), tile columns 8 j + 2 t4 + b
+    if constexpr (DENSE && EPI) dense_store16<BN>(a, acc, r0, r1, m0r, t, g, t4);
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
+    for (int hr = 0; hr < (DENSE && EPI ? 0 : 2); ++hr) {
       const int p = r0 + m0r + 8 * hr;
       if (p >= r1) continue;
       if constexpr (DENSE) {  // columns t BN + 8 j + 2 t4 (+ 1) of group g, those < R stored
@@ -437,9 +471,9 @@ void launch_dense_mc(const DenseArgs& a, const Maps& maps, cudaStream_t stream) 
   check_cuda(cudaLaunchKernelEx(&cfg, kern, a, maps), "moe_prefill_kernel (clusters)");
 }
 
-template <bool SWIGLU, int BN, bool DENSE = false>
+template <bool SWIGLU, int BN, bool DENSE = false, bool EPI = false>
 void launch(const ArgsOf<DENSE>& a, const Maps& maps, int grid, cudaStream_t stream) {
-  auto kern = moe_prefill_kernel<SWIGLU, BN, DENSE>;
+  auto kern = moe_prefill_kernel<SWIGLU, BN, DENSE, 1, EPI>;
   constexpr int smem = Cfg<BN>::kSmem;
   static const cudaError_t attr = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute(moe_prefill_kernel)");
@@ -934,6 +968,7 @@ bool moe_prefill_gemms(const MoeProblem& p, const MoePrefillIO& io, cudaStream_t
 // "expert" and no routing: tiles (group, 128 rows, BN weight rows) over x cast per 128 into the
 // workspace (the gather cast without rows: fp8_per_token_cast's math), the output in x's dtype.
 constexpr bool kLinearPrefillCluster = false;  // 2-CTA clusters by default (fp8_linear_prefill's cluster=-1)
+constexpr bool kLinearPrefillEpi16 = false;    // the 16-byte-store bf16 epilogue by default
 
 int64_t linear_prefill_workspace_bytes(int64_t M, int64_t K) {
   const int64_t q = (M * K + 255) / 256 * 256;
@@ -994,6 +1029,15 @@ bool linear_prefill(const void* x, bool x_bf16, int64_t M, int64_t G, int64_t Kg
     return true;
   }
   const int grid = std::min(sms, a.dense_total);
+  // bf16 out with 16-byte stores (dense_store16) where R and the row pitch are multiples of 8; read per call:
+  // DEEPFUSE_LINEAR_PREFILL_EPI16=0 / 1 (default kLinearPrefillEpi16)
+  const char* epi_env = std::getenv("DEEPFUSE_LINEAR_PREFILL_EPI16");
+  const bool epi = !out_f32 && R % 8 == 0 && (epi_env != nullptr ? std::atoi(epi_env) != 0 : kLinearPrefillEpi16);
+  if (epi) {
+    if (BN == 256) launch<false, 256, true, true>(a, m, grid, stream);
+    else launch<false, 128, true, true>(a, m, grid, stream);
+    return true;
+  }
   if (BN == 256) launch<false, 256, true>(a, m, grid, stream);
   else launch<false, 128, true>(a, m, grid, stream);
   return true;

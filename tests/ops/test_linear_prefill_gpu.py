@@ -6,9 +6,12 @@ against the emulation of the kernel's activation rounding (x to FP8 per token pe
 2e-2 |emu| + 1e-2 max|emu|) and the exact reference (relative Frobenius error <= 0.05), a second
 call bit-equal; odd M / N / K tails (K % 128 != 0, N % 128 != 0, M % 128 != 0), 128 x 256 and
 128 x 128 tiles, UE8M0 and fp32 block scales, bf16 and fp32 x; block-diagonal (wo_a) weights; a row's
-result independent of M; CUDA-graph capture; the dispatch from quant_linear / grouped_linear at
+result independent of M; the 16-byte-store epilogue (DEEPFUSE_LINEAR_PREFILL_EPI16=1) bit-equal to the default
+one; CUDA-graph capture; the dispatch from quant_linear / grouped_linear at
 M >= ops.linear.PREFILL_MIN_M. The launcher's checks run on the CPU too.
 """
+import os
+
 import pytest
 import torch
 from test_linear_gpu import emulated, make_weight
@@ -105,6 +108,29 @@ def test_linear_prefill_grouped(M, G, Kg, R):
 
 
 @gpu
+@pytest.mark.parametrize("bn", [0, 128, 256])
+def test_linear_prefill_epi16(monkeypatch, bn):
+    """The bf16 epilogue with 16-byte stores (DEEPFUSE_LINEAR_PREFILL_EPI16=1: a quad transposes its words):
+    the same bits as the default epilogue, every element written (NaN-poisoned outputs), grouped too."""
+    g = torch.Generator(device=DEV).manual_seed(bn + 1)
+    for M, K, N in ((300, 1024, 768), (129, 160, 200), (4099, 512, 1000)):
+        w, s = make_weight(N, K, "fp8", "ue8m0", g)
+        x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+        monkeypatch.setenv("DEEPFUSE_LINEAR_PREFILL_EPI16", "0")
+        want = launch(x, w, s, bn)
+        monkeypatch.setenv("DEEPFUSE_LINEAR_PREFILL_EPI16", "1")
+        y = launch(x, w, s, bn)
+        check(y, emulated(x, w, s, "fp8"), L.quant_linear_ref(x.float(), w, s, "fp8"))
+        assert torch.equal(y, want)
+    wg, sg = make_weight(4 * 256, 512, "fp8", "ue8m0", g)
+    xg = torch.randn(70, 4, 512, device=DEV, generator=g).to(torch.bfloat16)
+    monkeypatch.setenv("DEEPFUSE_LINEAR_PREFILL_EPI16", "0")
+    want = launch(xg, wg, sg, bn)
+    monkeypatch.setenv("DEEPFUSE_LINEAR_PREFILL_EPI16", "1")
+    assert torch.equal(launch(xg, wg, sg, bn), want)
+
+
+@gpu
 def test_linear_prefill_dispatch(monkeypatch):
     """quant_linear / grouped_linear take the kernel at M >= PREFILL_MIN_M (fp8 only), not below."""
     calls = []
@@ -174,6 +200,14 @@ def test_linear_prefill_sanitize():
     xg = torch.randn(130, 2, 256, device=DEV, generator=g).to(torch.bfloat16)
     for bn, cl in ((128, 0), (256, 0), (256, 1)):
         assert torch.isfinite(launch(xg, wg, sg, bn, cluster=cl)).all()
+    os.environ["DEEPFUSE_LINEAR_PREFILL_EPI16"] = "1"  # the 16-byte-store epilogue
+    try:
+        for M, K, N, bn in ((129, 160, 200, 256), (70, 384, 264, 128)):
+            w, s = make_weight(N, K, "fp8", "ue8m0", g)
+            x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+            assert torch.isfinite(launch(x, w, s, bn)).all()
+    finally:
+        del os.environ["DEEPFUSE_LINEAR_PREFILL_EPI16"]
     torch.cuda.synchronize()
 
 
