@@ -12,8 +12,9 @@ namespace deepfuse {
 
 namespace {
 
-// The split-KV combine as a programmatic dependent launch of the main kernel.
-constexpr bool kCombinePDL = false;
+// The split-KV combine as a programmatic dependent launch of the main kernel (H200: B 1 s_q 2 in a
+// graph h 128 18.3 -> 17.9 us, h 64 16.6 -> 16.7; B 64 s_q 1 h 64 49.7 -> 48.5).
+constexpr bool kCombinePDL = true;
 
 template <int G>
 void launch_main(const AttnParams& p, int C, cudaStream_t stream) {

@@ -9,9 +9,10 @@ warpgroups split the softmax by keys unless DEEPFUSE_SPARSE_DECODE_SPLIT=0 (test
 DEEPFUSE_SPARSE_DECODE_SPLIT=2 splits QK itself by keys (test_key_split_qk). DEEPFUSE_SPARSE_DECODE_REDUCE=1
 merges the split-KV partials inside a cluster of a row's splits instead of the combine kernel
 (test_split_reduce, test_split_reduce_matches_combine, graph and sanitize cases).
-DEEPFUSE_SPARSE_DECODE_PERSIST=1 runs one-split calls of more rows than one wave on persistent CTAs
-(test_persistent, sanitize cases). DEEPFUSE_SPARSE_ATTN_PDL=0 / 1 launches the split-KV combine as a
-programmatic dependent of the main kernel or not (test_combine_pdl, graph and sanitize cases).
+One-split calls of more rows than one wave run on persistent CTAs by default for MXFP8 outputs
+(DEEPFUSE_SPARSE_DECODE_PERSIST=0 / 1 forces it off / on: test_persistent, sanitize cases). The split-KV
+combine is a programmatic dependent launch of the main kernel by default (DEEPFUSE_SPARSE_ATTN_PDL=0 / 1:
+test_combine_pdl, graph and sanitize cases).
 
 Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
 docstring): fresh random caches written by kv_store into NaN-poisoned pages, -1 holes,
@@ -188,12 +189,17 @@ def test_split_reduce_matches_combine(wg, monkeypatch, H, splits, out_format):
     dict(H=64, T=200, K1=129, K2=300, idx64=True, splits=1),                     # ragged block ends
     dict(H=128, T=140, K1=64, K2=200, cluster="0"),                              # 280 items, no cluster
     dict(H=64, T=150, K1=5, K2=0, splits=1),                                     # one short block per item
+    dict(H=64, T=300, K1=128, K2=512, out_format="mxfp8", persist=None),         # the MXFP8 default
+    dict(H=128, T=300, K1=64, K2=200, out_format="mxfp8", persist="0"),          # forced off
 ])
 def test_persistent(wg, monkeypatch, case):
-    """DEEPFUSE_SPARSE_DECODE_PERSIST=1: one split and more rows than one wave: each CTA (or 2-CTA
-    cluster) takes rows t, t + grid, .., its mbarrier phases running on over them; the same bounds."""
+    """DEEPFUSE_SPARSE_DECODE_PERSIST=1 (the default for MXFP8 outputs): one split and more rows than one
+    wave: each CTA (or 2-CTA cluster) takes rows t, t + grid, .., its mbarrier phases running on over
+    them; the same bounds (and with the switch forced off)."""
     case = dict(case)
-    monkeypatch.setenv(ENV_PERSIST, "1")
+    pe = case.pop("persist", "1")
+    if pe is not None:
+        monkeypatch.setenv(ENV_PERSIST, pe)
     cl = case.pop("cluster", None)
     if cl is not None:
         monkeypatch.setenv(ENV_CLUSTER, cl)
