@@ -1,7 +1,7 @@
 """FP8 / MXFP4 block-scaled linears (ops.quant_linear) at V4-Flash projection shapes.
 
 python -m microbench.bench_linear --out DIR [--quick] [--proj wq_b ..] [--fmts fp8 mxfp4] [--M 1 8 ..]
-                                   [--no-ref] [--stream-splits 1|2|4|8]
+                                   [--no-ref] [--stream-splits 1|2|4|8] [--stream-wgs 1|2] [--stream-min-m-fp8 N]
 
 Per (projection, fmt, M): time of the op (activation cast included), weight bytes read per
 second and the fraction of the copy ceiling measured in this run, TFLOP/s, and the ratios to
@@ -32,10 +32,18 @@ def main(argv=None):
         ap.add_argument("--no-ref", action="store_true", help="skip the reference (dequantise + matmul) timings")
         ap.add_argument("--stream-splits", type=int, choices=[1, 2, 4, 8], default=None,
                         help="ops.linear.STREAM_MAX_SPLITS for the run (8: every dense shape streams)")
+        ap.add_argument("--stream-wgs", type=int, choices=[1, 2], default=None,
+                        help="ops.linear.STREAM_WGS for the run (consumer warpgroups per streaming CTA)")
+        ap.add_argument("--stream-min-m-fp8", type=int, default=None,
+                        help="ops.linear.STREAM_MIN_M_FP8 for the run (1: fp8 streams from M = 1)")
 
     args, ctx = H.start(argv, extra=extra)
     if args.stream_splits is not None:
         L.STREAM_MAX_SPLITS = args.stream_splits
+    if args.stream_wgs is not None:
+        L.STREAM_WGS = args.stream_wgs
+    if args.stream_min_m_fp8 is not None:
+        L.STREAM_MIN_M_FP8 = args.stream_min_m_fp8
     g = torch.Generator(device="cuda").manual_seed(0)
     Ms = args.M or ([1, 8, 64, 256, 4096] if args.quick else [1, 8, 32, 64, 128, 256, 1024, 4096])
     rows = []

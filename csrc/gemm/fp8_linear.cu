@@ -65,6 +65,10 @@ void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, b
   if (p.M <= 0 || p.N <= 0) return;
   if (p.M > (1LL << 30)) throw std::runtime_error("deepfuse: fp8_linear: too many rows");
   if (stream_linear(p, p.stream_max_m, x, x_bf16, out, out_bf16, stream)) return;
+  if (p.x_mx)
+    throw std::invalid_argument(
+        "deepfuse.fp8_linear: argument 'x' (MXFP8 with x_scale) is served by the streaming kernel only "
+        "(M <= stream_max_m <= 64; grouped: stream_grouped and 64 | rows per group); this shape is not");
   const int64_t rows = p.M * std::max(1, p.groups);
   uint8_t* xq = static_cast<uint8_t*>(workspace);
   float* xs = reinterpret_cast<float*>(xq + align256(rows * p.K));

@@ -18,6 +18,11 @@ struct LinearProblem {
   int groups = 0;              // > 0: block-diagonal: x [M, groups, K], w [groups * N, K] -> [M, groups, N]
   int stream_max_m = 64;       // dense M up to this: the one-launch streaming kernel (stream_linear.cu)
   int stream_max_splits = 8;   // served only where its plan needs at most this many K splits (1, 2, 4, 8)
+  int stream_wgs = 1;          // consumer warpgroups per streaming CTA (1, 2: where it owns >= 2 tiles)
+  int stream_policy = 0;       // plan: 0 the most CTAs per SM that fit, 1 the most ring stages resident
+  bool stream_grouped = false; // block-diagonal w (groups > 0, N % 64 == 0) through the streaming kernel too
+  bool x_mx = false;           // x is MXFP8: e4m3 with UE8M0 scales per 32 (x_scale); streaming kernel only
+  const void* x_scale = nullptr;  // x_mx: uint8 [M, K/32] ([M, groups, K/32])
 };
 
 int64_t fp8_linear_workspace_bytes(const LinearProblem& p);

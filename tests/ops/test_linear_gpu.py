@@ -146,6 +146,11 @@ def test_linear_sanitize_small():
             x = torch.randn(M, 2048, device=DEV, generator=g).to(torch.bfloat16)
             out = torch.empty(M, 192, dtype=torch.bfloat16, device=DEV)
             assert torch.isfinite(_launch(x, wk, sk, out, 64, 8)).all()
+        for K, N, M in ((256, 25600, 64), (2048, 3264, 3)):  # two warpgroups: no K split / cluster splits
+            wk, sk = make_weight(N, K, fmt, "ue8m0", g)
+            x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+            out = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
+            assert torch.isfinite(_launch(x, wk, sk, out, 64, 8, wgs=2, policy=1)).all()
         wg, sg = make_weight(4 * 128, 256, fmt, "ue8m0", g)
         for M in (1, 70):
             xg = torch.randn(M, 4, 256, device=DEV, generator=g).to(torch.bfloat16)
@@ -175,10 +180,10 @@ def test_grouped_linear_matches_reference(fmt, lead, G, Kg, R):
 
 
 # ----------------------------------------------------------------------------- the streaming kernel (M <= 64)
-def _launch(x, w, s, out, stream_max_m, splits=8):
+def _launch(x, w, s, out, stream_max_m, splits=8, wgs=1, policy=0):
     work = torch.empty(_ext._C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=s), dtype=torch.uint8, device=DEV)
     _ext._C.fp8_linear(x=x, w=w, w_scale=s, out=out, workspace=work, stream_max_m=stream_max_m,
-                       stream_max_splits=splits)
+                       stream_max_splits=splits, stream_wgs=wgs, stream_policy=policy)
     return out
 
 
@@ -220,6 +225,34 @@ def test_stream_linear_matches_reference(fmt, scale_fmt, M, K, N, splits):
     assert torch.equal(y, y2), "not deterministic"
 
 
+# (K, N) whose plans at M = 33 / 64 are one CTA per SM with >= 2 weight tiles (where stream_wgs=2
+# runs two warpgroups; M <= 16 plans keep one): wq_b-like without K splits and with a partly filled
+# last CTA (N = 33000: 516 tiles), cluster K splits (8192 x 4096), odd N (BT = 32 at M = 33).
+WGS_SHAPES = [(1024, 33000), (8192, 4096), (2048, 20000)]
+
+
+@gpu
+@pytest.mark.parametrize("policy", [0, 1])
+@pytest.mark.parametrize("splits", [8, 1])
+@pytest.mark.parametrize("fmt,scale_fmt", [("fp8", "ue8m0"), ("fp8", "fp32"), ("mxfp4", None)])
+@pytest.mark.parametrize("M", [1, 8, 33, 64])
+@pytest.mark.parametrize("K,N", WGS_SHAPES)
+def test_stream_linear_two_warpgroups(fmt, scale_fmt, M, K, N, splits, policy):
+    """stream_wgs=2 (two consumer warpgroups per CTA), both plan policies: out poisoned, every
+    element within the emulation bound, bit-equal to one warpgroup under the same policy (the same
+    per-tile chunk order, promotions and split order) and to a second call."""
+    if fmt == "mxfp4" and K % 128:
+        pytest.skip("mxfp4 needs K % 128 == 0")
+    g = torch.Generator(device=DEV).manual_seed(M * 7 + K + N + splits)
+    w, s = make_weight(N, K, fmt, scale_fmt, g)
+    x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+    poisoned = lambda: torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)  # noqa: E731
+    y = _launch(x, w, s, poisoned(), 64, splits, wgs=2, policy=policy)
+    _check_against_emulation(y, x, w, s, fmt)
+    assert torch.equal(y, _launch(x, w, s, poisoned(), 64, splits, wgs=1, policy=policy)), "differs from one warpgroup"
+    assert torch.equal(y, _launch(x, w, s, poisoned(), 64, splits, wgs=2, policy=policy)), "not deterministic"
+
+
 @gpu
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("M,K,N", [(1, 4096, 256), (5, 1024, 640), (64, 8192, 128)])
@@ -234,11 +267,13 @@ def test_stream_linear_fp32_in_and_out(fmt, M, K, N):
 
 
 @gpu
+@pytest.mark.parametrize("wgs", [1, 2])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_stream_linear_graph_capturable(fmt, monkeypatch):
+def test_stream_linear_graph_capturable(fmt, wgs, monkeypatch):
     """One graph holding split-K (cluster) calls and a call without K splits (wq_b's shape);
     replay after poisoning, then with new inputs."""
     monkeypatch.setattr(L, "STREAM_MAX_SPLITS", 8)
+    monkeypatch.setattr(L, "STREAM_WGS", wgs)
     g = torch.Generator(device=DEV).manual_seed(11)
     w1, s1 = make_weight(512, 8192, fmt, "ue8m0", g)
     w2, s2 = make_weight(4096, 1024, fmt, "ue8m0", g)
@@ -275,6 +310,10 @@ def test_fp8_linear_launcher_rejects_bad_stream_settings():
         _ext._C.fp8_linear(**a, stream_max_m=-1)
     with pytest.raises(ValueError, match=r"fp8_linear: argument 'stream_max_splits' must be 1, 2, 4 or 8 \(got 3\)"):
         _ext._C.fp8_linear(**a, stream_max_splits=3)
+    with pytest.raises(ValueError, match=r"fp8_linear: argument 'stream_wgs' must be 1 or 2 \(got 3\)"):
+        _ext._C.fp8_linear(**a, stream_wgs=3)
+    with pytest.raises(ValueError, match=r"fp8_linear: argument 'stream_policy' must be 0 or 1 \(got 2\)"):
+        _ext._C.fp8_linear(**a, stream_policy=2)
 
 
 # ----------------------------------------------------------------------------- the C++ launcher's checks

@@ -37,7 +37,8 @@ from deepfuse.ops.kvcache import (
 from deepfuse.ops.attention import sparse_attention, sparse_attention_paged
 from deepfuse.ops.compressor import compress_pool, compress_store, state_store
 from deepfuse.ops.indexer import indexer_logits_paged, indexer_scores
-from deepfuse.ops.linear import grouped_linear, mxfp4_cast, mxfp4_dequant, quant_linear, set_activation_quant
+from deepfuse.ops.linear import (grouped_linear, grouped_linear_mx, mxfp4_cast, mxfp4_dequant, quant_linear,
+                                 set_activation_quant)
 from deepfuse.ops.mhc import hc_head, hc_post, hc_pre
 from deepfuse.ops.moe import moe_experts, moe_route, swiglu
 from deepfuse.ops.kvcache import RowTarget
@@ -87,6 +88,7 @@ __all__ = [
     "quant_linear",
     "set_activation_quant",
     "grouped_linear",
+    "grouped_linear_mx",
     "mxfp4_cast",
     "mxfp4_dequant",
     "moe_route",

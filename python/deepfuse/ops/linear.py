@@ -12,8 +12,9 @@ same when it dequantises; DeepSeek's reference quantises activations to FP8 per 
 CUDA (quant_linear and grouped_linear with fp8 / mxfp4 weights): the kernels quantise activations to FP8 e4m3 per token per 128 (fp32 scales), as
 DeepSeek's reference does, and run FP8 MMAs: dense M <= STREAM_MAX_M (64) runs the one-launch
 weight-streaming kernel (csrc/gemm/stream_linear.cu: TMA weight ring, the activation cast fused,
-K splits reduced across a thread-block cluster) where its plan needs <= STREAM_MAX_SPLITS K
-splits (default 1: wide N such as wq_b); grouped (block-diagonal) weights and the other shapes
+K splits reduced across a thread-block cluster, two consumer warpgroups per CTA where it holds one
+CTA per SM: STREAM_WGS) where its plan needs <= STREAM_MAX_SPLITS K splits (default 1: wide N such
+as wq_b) and, for fp8, M >= STREAM_MIN_M_FP8; grouped (block-diagonal) weights and the other shapes
 stream through the grouped GEMM kernel (csrc/gemm); larger M (fp8 weights,
 K % 128 == 0) goes to cuBLASLt through torch._scaled_mm with DeepSeek's block scales, mxfp4
 always to our kernel.
@@ -114,10 +115,22 @@ def _quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: st
 SMALL_M = 64  # rows up to which our weight-streaming kernels beat cuBLASLt (anchors-v4.md)
 STREAM_MAX_M = 64  # dense rows up to which the one-launch streaming kernel runs (0: the grouped kernel)
 STREAM_FMTS = ("fp8", "mxfp4")  # weight formats it runs for
+# fp8 below this many rows: the cast + grouped kernel (measured faster there: wq_b M = 1 / 16 20.8 / 21.3 us
+# against 22.5 / 23.0 us streaming, H200 2026-12-03 18:03; docs/notes/moe.md "Dense linears, session 4").
+STREAM_MIN_M_FP8 = 17
 # Shapes whose streaming plan needs at most this many K splits (cluster size: 1, 2, 4, 8) run it,
 # the others the grouped kernel. 1: measured faster or equal only without K splits (H200,
 # docs/notes/moe.md "Dense linears at small M"); 8 serves every dense shape it fits.
 STREAM_MAX_SPLITS = 1
+# Consumer warpgroups per streaming CTA: 2 gives the plans of one CTA per SM (M > 16 with >= 2
+# weight tiles per CTA) two independent chunk chains; 1: one warpgroup walks all of them.
+STREAM_WGS = 2
+# The streaming plan's occupancy choice: 0 the most CTAs per SM that fit, 1 the most ring stages
+# resident on the GPU (CTAs that run x ring depth).
+STREAM_POLICY = 0
+# Block-diagonal weights (grouped_linear, e.g. wo_a; rows per group % 64 == 0) at M <= STREAM_MAX_M
+# through the streaming kernel too (False: the cast + grouped kernel).
+STREAM_GROUPED = False
 
 
 def linear_gap(x_dtype: torch.dtype, K: int, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> Optional[str]:
@@ -179,8 +192,10 @@ def _fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torc
     C = _ext.ext(x.device)
     work = torch.empty(C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=scale), dtype=torch.uint8, device=x.device)
     fmt = "fp8" if w.dtype == torch.float8_e4m3fn else "mxfp4"
+    stream = fmt in STREAM_FMTS and not (fmt == "fp8" and x.shape[0] < STREAM_MIN_M_FP8)
     C.fp8_linear(x=x, w=w, w_scale=scale, out=out, workspace=work,
-                 stream_max_m=STREAM_MAX_M if fmt in STREAM_FMTS else 0, stream_max_splits=STREAM_MAX_SPLITS)
+                 stream_max_m=STREAM_MAX_M if stream else 0, stream_max_splits=STREAM_MAX_SPLITS,
+                 stream_wgs=STREAM_WGS, stream_policy=STREAM_POLICY, stream_grouped=STREAM_GROUPED)
 
 
 @_quant_linear.register_kernel("cuda")
@@ -277,6 +292,85 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: str
     if w.device != x.device:
         raise ValueError(f"deepfuse: {op}: w is on {w.device}, x on {x.device}")
     return torch.ops.deepfuse.quant_linear(x, w, scale, fmt)
+
+
+# ----------------------------------------------------------------------------- MXFP8 activations
+# grouped_linear on an MXFP8 x (e4m3 + UE8M0 scales per 32 values: the attention op's
+# out_format="mxfp8"), as wo_a reads it. Semantics: x dequantised exactly (mxfp8_dequant), then
+# grouped_linear's (the kernel keeps x's e4m3 values and promotes each k32 group with its scale:
+# no activation rounding beyond x's own), bf16 out.
+STREAM_MX_MAX_SPLITS = 8  # K splits (cluster size) the streaming kernel may take for MXFP8 x
+
+
+def _mx_dequant(xq: torch.Tensor, xs: torch.Tensor, dtype) -> torch.Tensor:
+    from deepfuse.ops.cast import mxfp8_dequant
+
+    Kg = xq.shape[-1]
+    return mxfp8_dequant(xq.reshape(-1, Kg), xs.reshape(-1, Kg // 32), dtype=dtype).view(xq.shape)
+
+
+def grouped_linear_mx_ref(xq, xs, w, scale, fmt: str):
+    return grouped_linear_ref(_mx_dequant(xq, xs, torch.float32), w, scale, fmt).to(torch.bfloat16)
+
+
+@op("grouped_linear_mx")
+def _grouped_linear_mx(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                       fmt: str) -> torch.Tensor:
+    return grouped_linear_mx_ref(xq, xs, w, scale, fmt)
+
+
+_MX_NOT_SERVED = "served by the streaming kernel only"
+
+
+@_grouped_linear_mx.register_kernel("cuda")
+def _(xq, xs, w, scale, fmt):
+    G, Kg = xq.shape[-2], xq.shape[-1]
+    R = w.shape[0] // G
+    why = kernels_off_reason() or grouped_gap(torch.bfloat16, Kg, R, w, scale, fmt)
+    if _linear_reference("grouped_linear_mx", why):
+        return grouped_linear_mx_ref(xq, xs, w, scale, fmt)
+    x3, s3 = xq.reshape(-1, G, Kg).contiguous(), xs.reshape(-1, G, Kg // 32).contiguous()
+    M = x3.shape[0]
+    out = torch.empty(*xq.shape[:-1], R, dtype=torch.bfloat16, device=xq.device)
+    if M == 0:
+        return out
+    if M <= STREAM_MAX_M and fmt in STREAM_FMTS and R % 64 == 0:
+        try:
+            _ext.ext(xq.device).fp8_linear(
+                x=x3, x_scale=s3, w=w, w_scale=scale, out=out.view(M, G, R),
+                workspace=torch.empty(0, dtype=torch.uint8, device=xq.device), stream_max_m=STREAM_MAX_M,
+                stream_max_splits=STREAM_MX_MAX_SPLITS, stream_wgs=STREAM_WGS, stream_policy=STREAM_POLICY,
+                stream_grouped=True)
+            return out
+        except ValueError as e:  # a shape the streaming kernel's plan does not take
+            if _MX_NOT_SERVED not in str(e):
+                raise
+    return torch.ops.deepfuse.grouped_linear(_mx_dequant(xq, xs, torch.bfloat16), w, scale, fmt)
+
+
+@_grouped_linear_mx.register_fake
+def _(xq, xs, w, scale, fmt):
+    return xq.new_empty(*xq.shape[:-1], w.shape[0] // xq.shape[-2], dtype=torch.bfloat16)
+
+
+def grouped_linear_mx(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, fmt: str):
+    """grouped_linear of an MXFP8 x: xq e4m3 [*, G, Kg], xs uint8 UE8M0 [*, G, Kg / 32] (one scale per
+    32 values; Kg % 32 == 0), w [G * R, Kg] fp8 / mxfp4 -> bf16 [*, G, R]."""
+    op = "grouped_linear_mx"
+    check_tensor(op, "xq", xq, dtypes=(torch.float8_e4m3fn,))
+    if xq.dim() < 2:
+        raise ValueError(f"deepfuse: {op}: xq must be [*, G, Kg], got {list(xq.shape)}")
+    G, Kg = xq.shape[-2], xq.shape[-1]
+    if Kg % 32:
+        raise ValueError(f"deepfuse: {op}: xq rows need Kg % 32 == 0, got Kg = {Kg}")
+    check_tensor(op, "xs", xs, dtypes=(torch.uint8,), shape=(*xq.shape[:-1], Kg // 32), device=xq.device)
+    if w.shape[0] % G:
+        raise ValueError(f"deepfuse: {op}: w.shape[0] = {w.shape[0]} is not a multiple of the {G} groups")
+    check_choice(op, "fmt", fmt, _FMTS)
+    check_weight(op, w, scale, fmt, w.shape[0], Kg)
+    if w.device != xq.device:
+        raise ValueError(f"deepfuse: {op}: w is on {w.device}, xq on {xq.device}")
+    return torch.ops.deepfuse.grouped_linear_mx(xq, xs, w, scale, fmt)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None, fmt: str = "dense"):
