@@ -6,8 +6,8 @@ against the emulation of the kernel's activation rounding (x to FP8 per token pe
 2e-2 |emu| + 1e-2 max|emu|) and the exact reference (relative Frobenius error <= 0.05), a second
 call bit-equal; odd M / N / K tails (K % 128 != 0, N % 128 != 0, M % 128 != 0), 128 x 256 and
 128 x 128 tiles, UE8M0 and fp32 block scales, bf16 and fp32 x; block-diagonal (wo_a) weights; a row's
-result independent of M; the 16-byte-store epilogue (DEEPFUSE_LINEAR_PREFILL_EPI16=1) bit-equal to the default
-one; CUDA-graph capture; the dispatch from quant_linear / grouped_linear at
+result independent of M; the 16-byte-store epilogue (the default) bit-equal to the 4-byte one
+(DEEPFUSE_LINEAR_PREFILL_EPI16=0); CUDA-graph capture; the dispatch from quant_linear / grouped_linear at
 M >= ops.linear.PREFILL_MIN_M. The launcher's checks run on the CPU too.
 """
 import os
@@ -110,8 +110,8 @@ def test_linear_prefill_grouped(M, G, Kg, R):
 @gpu
 @pytest.mark.parametrize("bn", [0, 128, 256])
 def test_linear_prefill_epi16(monkeypatch, bn):
-    """The bf16 epilogue with 16-byte stores (DEEPFUSE_LINEAR_PREFILL_EPI16=1: a quad transposes its words):
-    the same bits as the default epilogue, every element written (NaN-poisoned outputs), grouped too."""
+    """The bf16 epilogue with 16-byte stores (the default; a quad transposes its words) gives the same bits as
+    the 4-byte stores (DEEPFUSE_LINEAR_PREFILL_EPI16=0), every element written (NaN-poisoned outputs), grouped too."""
     g = torch.Generator(device=DEV).manual_seed(bn + 1)
     for M, K, N in ((300, 1024, 768), (129, 160, 200), (4099, 512, 1000)):
         w, s = make_weight(N, K, "fp8", "ue8m0", g)
@@ -200,7 +200,7 @@ def test_linear_prefill_sanitize():
     xg = torch.randn(130, 2, 256, device=DEV, generator=g).to(torch.bfloat16)
     for bn, cl in ((128, 0), (256, 0), (256, 1)):
         assert torch.isfinite(launch(xg, wg, sg, bn, cluster=cl)).all()
-    os.environ["DEEPFUSE_LINEAR_PREFILL_EPI16"] = "1"  # the 16-byte-store epilogue
+    os.environ["DEEPFUSE_LINEAR_PREFILL_EPI16"] = "0"  # the 4-byte-store epilogue
     try:
         for M, K, N, bn in ((129, 160, 200, 256), (70, 384, 264, 128)):
             w, s = make_weight(N, K, "fp8", "ue8m0", g)
@@ -233,7 +233,7 @@ def test_linear_prefill_launcher_rejects():
         C.fp8_linear_prefill_workspace_bytes(M=-1, K=256)
     assert C.fp8_linear_prefill_workspace_bytes(M=4, K=256) == 1024 + 2 * 4 * 4
     assert LP.gap(torch.bfloat16, 4, 1, 256, 192, w, s).startswith("no fp8_linear_prefill kernel for cpu")
-    assert not LP.preferred(4096, 1, 1024) and LP.preferred(512, 1, 1024) and LP.preferred(4096, 8, 1024)
+    assert LP.preferred(4096, 1, 1024) and LP.preferred(512, 1, 1024) and LP.preferred(4096, 8, 1024)
 
 
 @gpu

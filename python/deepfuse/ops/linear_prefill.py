@@ -5,8 +5,9 @@
 routing: x cast to e4m3 per token per 128 (fp8_per_token_cast's math, bit-identical) into a workspace,
 then persistent 128 x 256 (or 128 x 128) tiles: a TMA producer warp feeding a 4-stage (6 at 128)
 mbarrier ring, two consumer warpgroups of m64n128k32 wgmmas, each 128-K chunk promoted in fp32 with
-(row scale x weight block scale); the output in x's dtype. Optionally 2-CTA clusters of two m-tiles
-sharing each weight tile (each CTA loads half of it, multicast to both). Grouped (block-diagonal, V4's wo_a):
+(row scale x weight block scale); the output in x's dtype (bf16: 16-byte stores after a transpose within each
+quad; DEEPFUSE_LINEAR_PREFILL_EPI16=0: 4-byte stores). Optionally 2-CTA clusters of two m-tiles sharing each
+weight tile (each CTA loads half of it, multicast to both). Grouped (block-diagonal, V4's wo_a):
 x [M, G, Kg] through weight rows g R .. (g + 1) R, tiles over (group, m, n).
 Shapes it takes (`gap` returns why not, else None): fp8 weights, bf16 / fp32 x, K % 16 == 0 and
 K <= 8192 per group, even N; grouped also Kg and R multiples of 128.
@@ -37,10 +38,10 @@ def gap(x_dtype: torch.dtype, M: int, G: int, Kg: int, R: int, w: torch.Tensor, 
     return None
 
 
-# Dense shapes where cuBLASLt measured faster (H200, 2026-12-03 17:29 UTC, docs/notes/moe.md): K <= 1024 from
-# M = 2048 on (wq_b 32768 x 1024: 0.95x / 0.92x of cuBLASLt at M 4096 / 16384, 1.09x at 512): a tile walks only
-# K / 128 <= 8 chunks, so its epilogue (bf16 stores straight from the accumulator fragments) weighs.
-SHORT_K, SHORT_K_MAX_M = 1024, 2048
+# Dense shapes left to cuBLASLt: dense K <= SHORT_K from M = SHORT_K_MAX_M on. None since the 16-byte-store
+# epilogue (H200 18:02 UTC: wq_b 32768 x 1024 at M = 4096 288.7 us vs cuBLASLt 348.7; with 4-byte stores it was
+# 0.92-0.95x cuBLASLt at M >= 4096, hence this knob: SHORT_K_MAX_M = 2048 restores that policy).
+SHORT_K, SHORT_K_MAX_M = 1024, 1 << 62
 
 
 def preferred(M: int, G: int, Kg: int) -> bool:
