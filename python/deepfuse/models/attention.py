@@ -22,8 +22,13 @@ store fused: ops.norm_rope_store), the compressors add the
 rows of the blocks the step completes, the indexer picks CSA rows, then one
 ops.sparse_attention_paged call reads the window and the compressed rows with the inverse
 RoPE applied to its output; the last window rows of each request go to its ring after it.
+With DEEPFUSE_WO_A_MXFP8=1 (off: not yet timed against the bf16 output) steps of at most
+ops.linear.STREAM_MAX_M rows with an fp8 / mxfp4 wo_a take the attention output as MXFP8 (its
+epilogue quantises) and wo_a reads it directly (ops.grouped_linear_mx); longer steps keep bf16.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn as nn
@@ -37,6 +42,8 @@ from .indexer import Indexer
 from .linear import Linear, add_slot
 from .norm import RMSNorm
 from .rope import RopeTable
+
+WO_A_MXFP8 = os.environ.get("DEEPFUSE_WO_A_MXFP8", "0") == "1"
 
 
 class AttentionProjections(nn.Module):
@@ -60,6 +67,13 @@ class AttentionProjections(nn.Module):
     def _out(self, o: torch.Tensor) -> torch.Tensor:
         G, H, D = self.o_groups, self.n_heads, self.head_dim
         o = ops.grouped_linear(o.reshape(*o.shape[:-2], G, H * D // G), self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt)
+        return self.wo_b(o.flatten(-2))
+
+    def _out_mx(self, q8: torch.Tensor, s8: torch.Tensor) -> torch.Tensor:
+        """_out of the attention's MXFP8 output: q8 e4m3 [N, H * D], s8 UE8M0 [N, H * D / 32]."""
+        G, N = self.o_groups, q8.shape[0]
+        o = ops.grouped_linear_mx(q8.view(N, G, -1), s8.view(N, G, -1), self.wo_a.weight, self.wo_a.scale,
+                                  self.wo_a.fmt)
         return self.wo_b(o.flatten(-2))
 
 
@@ -126,7 +140,9 @@ class Attention(AttentionProjections):
                 extra = dict(extra_indices=plan.entry_slots[ctx.token_req].contiguous(), extra_lengths=plan.n_vis)
             if extra:
                 extra.update(extra_kv=cache.comp, extra_page_size=cache.page_size)
+        mx = WO_A_MXFP8 and self.wo_a.fmt in ("fp8", "mxfp4") and x.shape[0] <= ops.linear.STREAM_MAX_M
         o, _ = ops.sparse_attention_paged(q, cache.ring, cache.ring_page_size, win.win_idx, self.attn_sink,
-                                          self.head_dim ** -0.5, inv_rope=(cos, sin), **extra)
+                                          self.head_dim ** -0.5, inv_rope=(cos, sin),
+                                          out_format="mxfp8" if mx else "bf16", **extra)
         cache.store_window(kv, win.ring_slots)
-        return self._out(o)
+        return self._out_mx(*o) if mx else self._out(o)
