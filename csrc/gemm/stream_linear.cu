@@ -235,6 +235,9 @@ __global__ void __launch_bounds__(128 * NW, 1) stream_linear_kernel(const Stream
     gemm::fence_proxy_async();
     for (int i = 0; i < min(total, STAGES); ++i) issue(i);
   }
+  // K splits: partials go into peers' shared memory, which is valid only once every CTA of the
+  // cluster has started; the matching wait precedes the first round's pushes.
+  if (a.S > 1 && Tc > 0) cluster_arrive();
 
   if constexpr (XMX) load_xmx<BT, NT>(a, kc0, nck, grp * a.K, grp * (a.K / 32), sX, sXS);
   else if (a.x_bf16) cast_x<BT, __nv_bfloat16, NT>(a, kc0, nck, grp * a.K, sX, sXS);
@@ -304,7 +307,7 @@ __global__ void __launch_bounds__(128 * NW, 1) stream_linear_kernel(const Stream
     // pushes its partial of each row into the owner's buffer, slot `split` ([S][rows][RS]), then
     // each owner sums its slots in split order from its own shared memory.
     const int rows = kTileRows / a.S, r0 = split * rows;
-    if (r > 0) cluster_wait();  // the owners have summed the previous round's partials
+    cluster_wait();  // round 0: every CTA of the cluster has started; later: the owners summed the previous round
     if (t < Tc) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
