@@ -54,7 +54,9 @@ __device__ __forceinline__ void dequant16(const uint4& raw, float mul, uint4& lo
 // With a staging tile (stage != nullptr, shared memory): the bf16 / e4m3 values of row
 // hrow[i] - row0 go there instead of to P.out, 16-byte chunk c of a row at chunk c ^ (row & 7)
 // (rows of 1024 bytes for bf16, 512 for MXFP8); the caller copies the tile out (store_staged).
-template <class Acc>
+// kStaged (compile time): every one-split call stages (stage != nullptr then), so only one of the
+// two store paths is compiled into a kernel.
+template <bool kStaged = false, class Acc>
 __device__ __forceinline__ void write_output(const AttnParams& P, int64_t t, const int (&hrow)[2], int half, int qd,
                                              const float (&m_run)[2], const float (&l_run)[2], Acc&& o,
                                              uint8_t* stage = nullptr, int row0 = 0) {
@@ -103,7 +105,7 @@ __device__ __forceinline__ void write_output(const AttnParams& P, int64_t t, con
   if (!P.mxfp8) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if (stage != nullptr) {  // chunk half * 32 + j of the row, bytes 4 qd ..
+      if constexpr (kStaged) {  // chunk half * 32 + j of the row, bytes 4 qd ..
         const int r = hrow[i] - row0;
         uint8_t* sr = stage + r * 1024 + 4 * qd;
 #pragma unroll
@@ -133,7 +135,7 @@ __device__ __forceinline__ void write_output(const AttnParams& P, int64_t t, con
           const float a = fminf(fmaxf(o(j, i, 0) * mul, -kE4M3Max), kE4M3Max);
           const float b = fminf(fmaxf(o(j, i, 1) * mul, -kE4M3Max), kE4M3Max);
           const __nv_fp8x2_storage_t v = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-          if (stage != nullptr) {  // chunk half * 16 + j / 2 of the row, bytes 8 (j & 1) + 2 qd ..
+          if constexpr (kStaged) {  // chunk half * 16 + j / 2 of the row, bytes 8 (j & 1) + 2 qd ..
             const int r = hrow[i] - row0;
             *reinterpret_cast<uint16_t*>(stage + r * 512 + (((half * 16 + (j >> 1)) ^ (r & 7)) << 4) + 8 * (j & 1) +
                                          2 * qd) = static_cast<uint16_t>(v);

@@ -25,6 +25,10 @@ constexpr bool kSparseDecodeReduce = false;
 // h 64, 2713 vs 2835 at h 128: the epilogue of one row overlaps the next row's fill); bf16 outputs keep
 // one CTA per row block (equal at h 64, 1.6% slower at h 128).
 constexpr bool kSparseDecodePersist = true;
+// The producer's slot indices through a shared-memory ring (one rolled step body); false: the
+// previous producer (indices in registers three blocks ahead, its loop unrolled by three), kept for
+// the split-softmax plain paths only. DEEPFUSE_SPARSE_DECODE_PROD=0 / 1 overrides.
+constexpr bool kSparseDecodeRing = false;
 
 bool sparse_decode_covers(const AttnParams& p) {
   if (p.G != 1 || (p.H != 64 && p.H != 128)) return false;
@@ -41,7 +45,7 @@ bool sparse_decode_enabled() {
 
 namespace {
 
-template <int C, bool kSplit, bool kKeys, bool kRed, bool kPersist = false>
+template <int C, bool kSplit, bool kKeys, bool kRed, bool kPersist = false, bool kOld = false>
 void launch_cluster(const AttnParams& p, dim3 grid, dim3 cluster, cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
@@ -55,7 +59,7 @@ void launch_cluster(const AttnParams& p, dim3 grid, dim3 cluster, cudaStream_t s
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<C, kSplit, kKeys, kRed, kPersist>, p),
+  check_cuda(cudaLaunchKernelEx(&cfg, attn_wg::sparse_decode_kernel<C, kSplit, kKeys, kRed, kPersist, kOld>, p),
              "sparse_attention (wgmma): cluster launch");
 }
 
@@ -110,7 +114,9 @@ bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
                           (const void*)attn_wg::sparse_decode_kernel<1, true, false, true>,
                           (const void*)attn_wg::sparse_decode_kernel<1, true, true, true>,
                           (const void*)attn_wg::sparse_decode_kernel<1, true, false, false, true>,
-                          (const void*)attn_wg::sparse_decode_kernel<2, true, false, false, true>})
+                          (const void*)attn_wg::sparse_decode_kernel<2, true, false, false, true>,
+                          (const void*)attn_wg::sparse_decode_kernel<1, true, false, false, false, true>,
+                          (const void*)attn_wg::sparse_decode_kernel<2, true, false, false, false, true>})
       check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, attn_wg::kSmemBytes),
                  "sparse_attention (wgmma): smem attribute");
     for (const void* f : {(const void*)attn_wg::sparse_decode_kernel<1, true, false, true>,
@@ -127,6 +133,8 @@ bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   // The softmax split (kSparseDecodeSplit): DEEPFUSE_SPARSE_DECODE_SPLIT=0 / 1 / 2 overrides.
   const char* se = std::getenv("DEEPFUSE_SPARSE_DECODE_SPLIT");
   const int split = (se == nullptr || se[0] == '\0') ? kSparseDecodeSplit : (se[0] == '0' ? 0 : se[0] == '2' ? 2 : 1);
+  const char* re = std::getenv("DEEPFUSE_SPARSE_DECODE_PROD");
+  const bool ring = (re == nullptr || re[0] == '\0') ? kSparseDecodeRing : std::strcmp(re, "0") != 0;
   const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(p.T) * (p.H / 64)), static_cast<unsigned>(p.splits), 1);
   // The split reduction in a cluster of the row's splits: DEEPFUSE_SPARSE_DECODE_REDUCE=1 (off by
   // default, kSparseDecodeReduce); needs the split softmax, 2 <= splits <= kMaxRed and a cluster of
@@ -159,6 +167,8 @@ bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   if (!cl) {
     if (split == 2)
       attn_wg::sparse_decode_kernel<1, true, true><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
+    else if (split == 1 && !ring)
+      attn_wg::sparse_decode_kernel<1, true, false, false, false, true><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
     else if (split == 1)
       attn_wg::sparse_decode_kernel<1, true><<<grid, attn_wg::kThreads, attn_wg::kSmemBytes, stream>>>(p);
     else
@@ -167,6 +177,8 @@ bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
     const dim3 cluster(2, 1, 1);
     if (split == 2)
       launch_cluster<2, true, true, false>(p, grid, cluster, stream);
+    else if (split == 1 && !ring)
+      launch_cluster<2, true, false, false, false, true>(p, grid, cluster, stream);
     else if (split == 1)
       launch_cluster<2, true, false, false>(p, grid, cluster, stream);
     else

@@ -14,10 +14,11 @@
 //   ones copied (cp.async; C = 2 through registers, for the peer's copy); stored into a
 //   64 x 512 bf16 tile in the wgmma 128-byte-swizzle layout ([8 sub-tiles of 64 dims][64 keys]
 //   [128 B]); invalid keys are written as zeros and flagged in a per-stage byte mask. Two
-//   stages, "full" / "empty" mbarriers. Slot indices are loaded three blocks ahead into
-//   registers that nothing reads until their block (the loop is unrolled by three so that
-//   they are never copied: a dependent instruction would wait for the load), block i + 2's
-//   rows are prefetched into L2; the consumers load Q (cp.async) meanwhile.
+//   stages, "full" / "empty" mbarriers. Slot indices are copied two blocks ahead by cp.async
+//   into a 3-block ring in shared memory (one rolled step body per block, no slot register
+//   waiting on a load; kOldProd: the previous producer, indices in registers three blocks
+//   ahead and its loop unrolled by three), block i + 1's rows are prefetched into L2; the
+//   consumers load Q (cp.async) meanwhile.
 // - Warpgroups 1 and 2 (consumers, 208 registers): warpgroup w owns dims / output columns
 //   256 w .. 256 w + 255. S_w = Q[:, half w] K[:, half w]^T by 16 wgmma m64n64k16 (both
 //   operands K-major from shared memory); the two partial logit tiles are exchanged through
@@ -58,7 +59,8 @@ constexpr int kKOff = kTile;                   // 2 stages
 constexpr int kXOff = 3 * kTile;               // logit exchange: 2 warpgroups x 32 x 128 fp32
 constexpr int kMaskOff = kXOff + 2 * 32 * 128 * 4;
 constexpr int kBarOff = kMaskOff + 2 * 64;     // full[2], empty[2], rfull[2] (the peer's half, C = 2)
-constexpr int kSmemBytes = kBarOff + 48 + 1024;  // + alignment slack (1024-byte swizzle atoms)
+constexpr int kRingOff = kBarOff + 64;         // the producer's slot indices: 3 blocks x 64 keys x 8 bytes
+constexpr int kSmemBytes = kRingOff + 3 * 64 * 8 + 1024;  // + alignment slack (1024-byte swizzle atoms)
 // In-cluster split-KV reduction (kRed): a CTA's unnormalised output, fp32 rows kRS floats apart (float2
 // stores of a warp: two wavefronts), then (max, sum) per head row, over Q and the key stages.
 constexpr int kRS = 520;
@@ -286,7 +288,7 @@ __device__ __forceinline__ void wgmma_rs_m64n256k16_tb(float (&d)[128], uint32_t
 // u, u + U, .. (U clusters in the grid); the mbarrier phases run on over the items, so the producer
 // fills the next item's first stages while the consumers finish the last one; the output is staged
 // in the Q tile (free after the item's last QK).
-template <int C, bool kSplit, bool kKeys = false, bool kRed = false, bool kPersist = false>
+template <int C, bool kSplit, bool kKeys = false, bool kRed = false, bool kPersist = false, bool kOldProd = false>
 __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid_constant__ AttnParams P) {
 #if DEEPFUSE_SM90A_DEVICE
   static_assert(C == 1 || C == 2, "cluster size");
@@ -412,17 +414,24 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       }
     };
     const uint32_t peer_sb = C == 2 ? mapa(sb, crank ^ 1) : 0;
-    // Block i: its slot in cur (reloaded with block i + 3's), block i + 2's in n2 (prefetched),
-    // C = 2: the mask key's slot of block i in mcur (reloaded with block i + 3's).
-    auto step = [&](int i, RawSlot& cur, const RawSlot& n2, RawSlot& mcur) {
+    // Block i (the CTA's running block gi = gb + i, stage gi & 1): rows of key slot value ks loaded
+    // before the stage wait, converted and stored; mask byte from mask-key slot ms.
+    struct Rows {
+      const uint8_t *rowp, *sclp;
+      bool valid, mvalid;
+    };
+    auto resolve = [&](int i, const RawSlot& ks, const RawSlot& ms) -> Rows {
+      Rows r{P.src[0].base, nullptr, false, false};  // (a valid address, never read, when skipped)
+      r.valid = row_of(i, key, slot_of(i, key, ks), r.rowp, r.sclp);
+      r.mvalid = C == 2 ? slot_ok(i, mkey, slot_of(i, mkey, ms)) : r.valid;
+      return r;
+    };
+    auto convert = [&](int i, const Rows& rr) {
       const int gi = gb + i;
       const int s = gi & 1;
-      prefetch(i + 2, n2);
-      const uint8_t *rowp = P.src[0].base, *sclp = nullptr;  // (a valid address, never read, when skipped)
-      const bool valid = row_of(i, key, slot_of(i, key, cur), rowp, sclp);
-      const bool mvalid = C == 2 ? slot_ok(i, mkey, slot_of(i, mkey, mcur)) : valid;
-      cur = load_slot(i + 3, key);
-      if (C == 2) mcur = load_slot(i + 3, mkey);
+      const uint8_t* rowp = rr.rowp;
+      const uint8_t* sclp = rr.sclp;
+      const bool valid = rr.valid, mvalid = rr.mvalid;
       uint4 raw[NE], rope[C == 2 ? NR : 1];
       uint2 scl = make_uint2(0, 0);
       if (valid) {
@@ -481,10 +490,63 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
           st_async16(rkt + o1, hi, rbar);
         }
       }
-      if (C == 1) asm volatile("cp.async.wait_all;\n" ::: "memory");
+      // (kRing: also the slot group issued with this block)
+      if (C == 1 || !kOldProd) asm volatile("cp.async.wait_all;\n" ::: "memory");
       if ((tid & 1) == 0) sm[kMaskOff + s * 64 + mkey] = mvalid ? 1 : 0;
       fence_proxy_async();
       mbar_arrive(full0 + 8 * s);
+    };
+    if constexpr (!kOldProd) {
+      // Slot indices through a ring of three blocks in shared memory (kRingOff): block i's 64 raw
+      // indices are copied by cp.async (threads 0..63, zero fill past the range) while block i - 2
+      // is converted and waited for with that block's RoPE copies; a producer barrier per block
+      // makes them visible and orders the ring's reuse. No slot value waits in a register, so one
+      // rolled step body serves every block.
+      auto issue_slots = [&](int i, int gi) {
+        if (tid < 64) {
+          const int p = (b_begin + i) * 64 + tid;
+          const int si = p < K0 ? 0 : 1;
+          const AttnSource& S = P.src[si];
+          const bool in = i < nb && p < K_all;
+          const void* src = in ? static_cast<const void*>(static_cast<const uint8_t*>(S.idx) +
+                                                          ((t * S.K + p - (si ? K0 : 0)) << (S.idx64 ? 3 : 2)))
+                               : static_cast<const void*>(P.src[0].base);  // (never read: zero fill)
+          const uint32_t dst = sb + kRingOff + static_cast<uint32_t>(((gi % 3) * 64 + tid) * 8);
+          if (S.idx64)
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 8 : 0) : "memory");
+          else
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 4 : 0) : "memory");
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+      };
+      auto ring_at = [&](int gi, int k) -> RawSlot {
+        const uint2 r = *reinterpret_cast<const uint2*>(sm + kRingOff + ((gi % 3) * 64 + k) * 8);
+        return RawSlot{r.x, r.y};
+      };
+      issue_slots(0, gb);
+      issue_slots(1, gb + 1);
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      named_bar(4, 128);
+#pragma unroll 1
+      for (int i = 0; i < nb; ++i) {
+        const int gi = gb + i;
+        const RawSlot ks = ring_at(gi, key);
+        const RawSlot ms = C == 2 ? ring_at(gi, mkey) : ks;
+        const RawSlot kn = ring_at(gi + 1, key);
+        issue_slots(i + 2, gi + 2);
+        prefetch(i + 1, kn);
+        convert(i, resolve(i, ks, ms));
+        named_bar(4, 128);  // the ring entries of blocks i + 1, i + 2 visible; block i's readers done
+      }
+    } else {
+    // Block i: its slot in cur (reloaded with block i + 3's), block i + 2's in n2 (prefetched),
+    // C = 2: the mask key's slot of block i in mcur (reloaded with block i + 3's).
+    auto step = [&](int i, RawSlot& cur, const RawSlot& n2, RawSlot& mcur) {
+      prefetch(i + 2, n2);
+      const Rows rr = resolve(i, cur, mcur);
+      cur = load_slot(i + 3, key);
+      if (C == 2) mcur = load_slot(i + 3, mkey);
+      convert(i, rr);
     };
     RawSlot a0 = load_slot(0, key), a1 = load_slot(1, key), a2 = load_slot(2, key);
     RawSlot b0 = {0, 0}, b1 = {0, 0}, b2 = {0, 0};
@@ -495,6 +557,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
       step(i, a0, a2, b0);
       if (i + 1 < nb) step(i + 1, a1, a0, b1);
       if (i + 2 < nb) step(i + 2, a2, a1, b2);
+    }
     }
     }  // items
     if (C == 2) cluster_sync_all();  // no CTA leaves while its peer may still address it
@@ -761,7 +824,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
     named_bar(3, 256);
     stage = sm + (kPersist ? kQOff : kKOff);  // (kPersist: the producer may be filling the key stages)
   }
-  attn_dev::write_output(P, t, hrow, w, qd, m_run, l_run,
+  attn_dev::write_output<true>(P, t, hrow, w, qd, m_run, l_run,
                          [&](int j, int i, int k) -> float& { return o[4 * j + 2 * i + k]; }, stage, head0);
   if (stage != nullptr) {
     named_bar(3, 256);

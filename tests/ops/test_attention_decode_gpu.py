@@ -12,7 +12,9 @@ merges the split-KV partials inside a cluster of a row's splits instead of the c
 One-split calls of more rows than one wave run on persistent CTAs by default for MXFP8 outputs
 (DEEPFUSE_SPARSE_DECODE_PERSIST=0 / 1 forces it off / on: test_persistent, sanitize cases). The split-KV
 combine is a programmatic dependent launch of the main kernel by default (DEEPFUSE_SPARSE_ATTN_PDL=0 / 1:
-test_combine_pdl, graph and sanitize cases).
+test_combine_pdl, graph and sanitize cases). The producer reads the slot indices through a shared-memory
+ring by default; DEEPFUSE_SPARSE_DECODE_PROD=0 selects the previous producer (indices in registers,
+loop unrolled by three) on the plain split-softmax paths (test_old_producer, sanitize cases).
 
 Inputs, poisoning and bounds are test_attention_paged._run_case's (stated in that module's
 docstring): fresh random caches written by kv_store into NaN-poisoned pages, -1 holes,
@@ -36,6 +38,7 @@ ENV_CLUSTER = "DEEPFUSE_SPARSE_DECODE_CLUSTER"
 ENV_REDUCE = "DEEPFUSE_SPARSE_DECODE_REDUCE"
 ENV_PERSIST = "DEEPFUSE_SPARSE_DECODE_PERSIST"
 ENV_PDL = "DEEPFUSE_SPARSE_ATTN_PDL"
+ENV_PROD = "DEEPFUSE_SPARSE_DECODE_PROD"
 
 
 @pytest.fixture
@@ -46,6 +49,7 @@ def wg(monkeypatch):
     monkeypatch.delenv(ENV_PERSIST, raising=False)
     monkeypatch.delenv(ENV_PDL, raising=False)
     monkeypatch.delenv("DEEPFUSE_SPARSE_DECODE_SPLIT", raising=False)
+    monkeypatch.delenv(ENV_PROD, raising=False)
 
 
 @pytest.mark.gpu
@@ -97,6 +101,25 @@ def test_h128_no_cluster(wg, monkeypatch, case):
     """DEEPFUSE_SPARSE_DECODE_CLUSTER=0: H 128 as two independent CTAs, each dequantising every key."""
     monkeypatch.setenv(ENV_CLUSTER, "0")
     _run_case(G=1, **case, seed=len(str(case)) + 11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dict(H=64, T=6, K1=128, K2=512),
+    dict(H=128, T=6, K1=128, K2=512),
+    dict(H=128, T=4, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8"),
+    dict(H=64, T=2, K1=129, K2=300, idx64=True),
+    dict(H=128, T=5, K1=128, K2=2048, splits=1, cluster="0"),
+])
+def test_old_producer(wg, monkeypatch, case):
+    """DEEPFUSE_SPARSE_DECODE_PROD=0: the previous producer (slot indices in registers three blocks
+    ahead) passes the same bounds; the default ring producer runs every other test."""
+    case = dict(case)
+    monkeypatch.setenv(ENV_PROD, "0")
+    cl = case.pop("cluster", None)
+    if cl is not None:
+        monkeypatch.setenv(ENV_CLUSTER, cl)
+    _run_case(G=1, **case, seed=len(str(case)) + 19)
 
 
 @pytest.mark.gpu
@@ -313,6 +336,9 @@ def test_cuda_graph(wg, monkeypatch, H, cluster, reduce, pdl):
     dict(H=64, T=140, K1=40, K2=70, splits=1, oob=True, persist="1"),
     dict(H=128, T=70, K1=64, K2=64, splits=1, out_format="mxfp8", persist="1"),
     dict(H=64, T=2, K1=128, K2=512, splits=10, pdl="1"),
+    dict(H=64, T=5, K1=40, K2=300, splits=1, oob=True, idx64=True),
+    dict(H=64, T=4, K1=40, K2=70, splits=2, oob=True, prod="0"),
+    dict(H=128, T=3, K1=128, K2=200, prod="0"),
 ], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))  # (-k selects by switch: reduce, persist, pdl)
 def test_sanitize(wg, monkeypatch, case):
     case = dict(case)
@@ -331,4 +357,7 @@ def test_sanitize(wg, monkeypatch, case):
     pd = case.pop("pdl", None)
     if pd is not None:
         monkeypatch.setenv(ENV_PDL, pd)
+    pr = case.pop("prod", None)
+    if pr is not None:
+        monkeypatch.setenv(ENV_PROD, pr)
     _run_case(G=1, **case, seed=3)
