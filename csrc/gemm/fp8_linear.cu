@@ -56,7 +56,9 @@ void launch(const gemm::GemmArgs& a, int64_t M, cudaStream_t stream) {
 int64_t fp8_linear_workspace_bytes(const LinearProblem& p) {
   const int z = k_splits(p);
   const int64_t rows = p.M * std::max(1, p.groups);
-  return align256(rows * p.K) + align256(4 * rows * ceil_div(p.K, 128)) + (z > 1 ? 4LL * z * p.M * p.N : 0);
+  const int64_t grouped =
+      align256(rows * p.K) + align256(4 * rows * ceil_div(p.K, 128)) + (z > 1 ? 4LL * z * p.M * p.N : 0);
+  return p.persist ? std::max(grouped, persist_linear_workspace_bytes(p)) : grouped;
 }
 
 void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, bool out_bf16, void* workspace,
@@ -64,6 +66,7 @@ void fp8_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, b
   require_sm90a("fp8_linear");
   if (p.M <= 0 || p.N <= 0) return;
   if (p.M > (1LL << 30)) throw std::runtime_error("deepfuse: fp8_linear: too many rows");
+  if (p.persist && persist_linear(p, x, x_bf16, out, out_bf16, workspace, stream)) return;
   if (stream_linear(p, p.stream_max_m, x, x_bf16, out, out_bf16, stream)) return;
   if (p.x_mx)
     throw std::invalid_argument(

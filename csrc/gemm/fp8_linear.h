@@ -23,6 +23,7 @@ struct LinearProblem {
   bool stream_grouped = false; // block-diagonal w (groups > 0, N % 64 == 0) through the streaming kernel too
   bool x_mx = false;           // x is MXFP8: e4m3 with UE8M0 scales per 32 (x_scale); streaming kernel only
   const void* x_scale = nullptr;  // x_mx: uint8 [M, K/32] ([M, groups, K/32])
+  bool persist = false;        // dense fp8 M <= 64: the persistent kernel (persist_linear.cu) first
 };
 
 int64_t fp8_linear_workspace_bytes(const LinearProblem& p);
@@ -32,6 +33,13 @@ int64_t fp8_linear_workspace_bytes(const LinearProblem& p);
 // (shape, M, no tensor-map entry point); the caller runs the grouped kernel.
 bool stream_linear(const LinearProblem& p, int max_m, const void* x, bool x_bf16, void* out, bool out_bf16,
                    cudaStream_t stream);
+
+// Dense fp8 x [M, K] times w for M <= 64 (persist_linear.cu): activation cast, one persistent CTA per
+// SM streaming 128-row weight tiles, split-K partials reduced in split order; three launches chained
+// by PDL. false: not served. Its workspace bytes (0: not served).
+int64_t persist_linear_workspace_bytes(const LinearProblem& p);
+bool persist_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, bool out_bf16, void* workspace,
+                    cudaStream_t stream);
 
 // x [M, K] (bf16 if x_bf16 else fp32, contiguous) -> out [M, N] (bf16 if out_bf16 else fp32);
 // grouped: x [M, groups, K] -> out [M, groups, N].

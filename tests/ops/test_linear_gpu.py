@@ -303,6 +303,125 @@ def test_stream_linear_graph_capturable(fmt, wgs, monkeypatch):
     _check_against_emulation(ys[2], x3, w3, s3, fmt)
 
 
+# ----------------------------------------------------------------------------- the persistent kernel (fp8, M <= 64)
+def _launch_persist(x, w, s, out):
+    work = torch.empty(_ext._C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=s, persist=True), dtype=torch.uint8,
+                       device=DEV)
+    work.fill_(0xFF)  # stale workspace: NaN bytes where nothing is written
+    _ext._C.fp8_linear(x=x, w=w, w_scale=s, out=out, workspace=work, stream_max_m=0, persist=True)
+    return out
+
+
+# (K, N): wq_b (256 tiles, no K split), wo_b (32 tiles: K splits), 4 tiles x 32 chunks (many splits),
+# a partial last tile (N = 200, 1000, 33000), K % 128 != 0 (a partial chunk), K = 128.
+PERSIST_SHAPES = [(1024, 32768), (8192, 4096), (4096, 512), (2048, 200), (512, 1000), (160, 328), (1024, 33000),
+                  (128, 384)]
+
+
+@gpu
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "fp32"])
+@pytest.mark.parametrize("M", [1, 2, 7, 16, 17, 33, 63, 64])
+@pytest.mark.parametrize("K,N", PERSIST_SHAPES)
+def test_persist_linear_matches_reference(scale_fmt, M, K, N):
+    """persist=True: fresh random inputs, out poisoned with NaN, workspace stale, every element
+    within the emulation bound; bit-equal to a second call (split order fixed: deterministic)."""
+    g = torch.Generator(device=DEV).manual_seed(M * 131 + K + N)
+    w, s = make_weight(N, K, "fp8", scale_fmt, g)
+    x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+    poisoned = lambda: torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)  # noqa: E731
+    y = _launch_persist(x, w, s, poisoned())
+    _check_against_emulation(y, x, w, s, "fp8")
+    assert torch.equal(y, _launch_persist(x, w, s, poisoned())), "not deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 256), (5, 1024, 640), (64, 8192, 128), (40, 1024, 4096)])
+def test_persist_linear_fp32_in_and_out(M, K, N):
+    g = torch.Generator(device=DEV).manual_seed(M + K + N + 9)
+    w, s = make_weight(N, K, "fp8", "fp32", g)
+    x = torch.randn(M, K, device=DEV, generator=g) * 3.0
+    x[0, :128] *= 1e-3  # a token group of small values: its own fp32 scale
+    y = _launch_persist(x, w, s, torch.full((M, N), float("nan"), device=DEV))
+    assert y.dtype == torch.float32
+    _check_against_emulation(y, x, w, s, "fp8")
+
+
+@gpu
+def test_persist_linear_runs_its_kernels(monkeypatch):
+    """PERSIST_FP8 routes quant_linear's dense fp8 M <= 64 to the persistent kernel (and its
+    reduction where the plan splits K); not grouped weights, not M > 64."""
+    monkeypatch.setattr(L, "PERSIST_FP8", True)
+    g = torch.Generator(device=DEV).manual_seed(12)
+    w1, s1 = make_weight(32768, 1024, "fp8", "ue8m0", g)
+    w2, s2 = make_weight(4096, 8192, "fp8", "ue8m0", g)
+
+    def names(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return " ".join(e.key for e in prof.key_averages())
+
+    for M in (1, 64):
+        x1 = torch.randn(M, 1024, device=DEV, generator=g).to(torch.bfloat16)
+        x2 = torch.randn(M, 8192, device=DEV, generator=g).to(torch.bfloat16)
+        n1 = names(lambda: ops.quant_linear(x1, w1, s1, "fp8"))
+        assert "persist_linear_kernel" in n1 and "persist_reduce_kernel" not in n1, n1
+        n2 = names(lambda: ops.quant_linear(x2, w2, s2, "fp8"))
+        assert "persist_linear_kernel" in n2 and "persist_reduce_kernel" in n2, n2
+    x3 = torch.randn(65, 1024, device=DEV, generator=g).to(torch.bfloat16)
+    assert "persist_linear_kernel" not in names(lambda: ops.quant_linear(x3, w1, s1, "fp8"))
+
+
+@gpu
+def test_persist_linear_graph_capturable(monkeypatch):
+    """One graph holding K-split (cast, main, reduction: PDL-chained) and unsplit calls, M 1 / 40;
+    replay after poisoning, then with new inputs."""
+    monkeypatch.setattr(L, "PERSIST_FP8", True)
+    g = torch.Generator(device=DEV).manual_seed(13)
+    w1, s1 = make_weight(512, 8192, "fp8", "ue8m0", g)
+    w2, s2 = make_weight(4096, 1024, "fp8", "fp32", g)
+    w3, s3 = make_weight(32768, 1024, "fp8", "ue8m0", g)
+    x1 = torch.randn(3, 8192, device=DEV, generator=g).to(torch.bfloat16)
+    x2 = torch.randn(40, 1024, device=DEV, generator=g).to(torch.bfloat16)
+    x3 = torch.randn(1, 1024, device=DEV, generator=g).to(torch.bfloat16)
+    calls = [(x1, w1, s1), (x2, w2, s2), (x3, w3, s3)]
+    want = [ops.quant_linear(x, w, s, "fp8") for x, w, s in calls]
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        ops.quant_linear(x1, w1, s1, "fp8")
+    torch.cuda.current_stream().wait_stream(st)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = [ops.quant_linear(x, w, s, "fp8") for x, w, s in calls]
+    for y in ys:
+        y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(y, w) for y, w in zip(ys, want))
+    x1.copy_(torch.randn(3, 8192, device=DEV, generator=g).to(torch.bfloat16))  # new inputs, same graph
+    x2.copy_(torch.randn(40, 1024, device=DEV, generator=g).to(torch.bfloat16))
+    x3.copy_(torch.randn(1, 1024, device=DEV, generator=g).to(torch.bfloat16))
+    graph.replay()
+    for y, (x, w, s) in zip(ys, calls):
+        _check_against_emulation(y, x, w, s, "fp8")
+
+
+@gpu
+@pytest.mark.sanitize
+def test_persist_linear_sanitize():
+    """The persistent kernel under compute-sanitizer: K splits + reduction, no split, partial tiles /
+    chunks, M 1 / 17 / 64, bf16 and fp32."""
+    g = torch.Generator(device=DEV).manual_seed(14)
+    for K, N, M in ((2048, 384, 1), (1024, 3000, 64), (160, 328, 17), (8192, 256, 33)):
+        w, s = make_weight(N, K, "fp8", "ue8m0", g)
+        x = torch.randn(M, K, device=DEV, generator=g)
+        y = _launch_persist(x.to(torch.bfloat16), w, s, torch.empty(M, N, dtype=torch.bfloat16, device=DEV))
+        assert torch.isfinite(y).all()
+        assert torch.isfinite(_launch_persist(x, w, s, torch.empty(M, N, device=DEV))).all()
+    torch.cuda.synchronize()
+
+
 @needs_ext
 def test_fp8_linear_launcher_rejects_bad_stream_settings():
     a = _launch_args()

@@ -131,6 +131,10 @@ STREAM_POLICY = 0
 # Block-diagonal weights (grouped_linear, e.g. wo_a; rows per group % 64 == 0) at M <= STREAM_MAX_M
 # through the streaming kernel too (False: the cast + grouped kernel).
 STREAM_GROUPED = False
+# Dense fp8 M <= 64 through the persistent kernel (csrc/gemm/persist_linear.cu: one CTA per SM, a TMA
+# producer warp, two math warpgroups, 128-row weight tiles, split-K partials reduced in split order)
+# where it serves the shape; False: the streaming / grouped kernels as above.
+PERSIST_FP8 = False
 
 
 def linear_gap(x_dtype: torch.dtype, K: int, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> Optional[str]:
@@ -190,12 +194,14 @@ def _scaled_mm_fp8(x2: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_d
 def _fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     """Our kernel: x [M, K] -> out [M, N], or x [M, G, Kg] -> out [M, G, R] (block-diagonal w)."""
     C = _ext.ext(x.device)
-    work = torch.empty(C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=scale), dtype=torch.uint8, device=x.device)
     fmt = "fp8" if w.dtype == torch.float8_e4m3fn else "mxfp4"
+    persist = PERSIST_FP8 and fmt == "fp8" and x.dim() == 2
+    work = torch.empty(C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=scale, persist=persist), dtype=torch.uint8,
+                       device=x.device)
     stream = fmt in STREAM_FMTS and not (fmt == "fp8" and x.shape[0] < STREAM_MIN_M_FP8)
     C.fp8_linear(x=x, w=w, w_scale=scale, out=out, workspace=work,
                  stream_max_m=STREAM_MAX_M if stream else 0, stream_max_splits=STREAM_MAX_SPLITS,
-                 stream_wgs=STREAM_WGS, stream_policy=STREAM_POLICY, stream_grouped=STREAM_GROUPED)
+                 stream_wgs=STREAM_WGS, stream_policy=STREAM_POLICY, stream_grouped=STREAM_GROUPED, persist=persist)
 
 
 @_quant_linear.register_kernel("cuda")

@@ -1,0 +1,357 @@
+// Persistent weight-streaming FP8 linear for few rows (dense x [M, K], M <= 64, fp8 weights with
+// 128 x 128 block scales; semantics: deepfuse/ops/linear.py). Three launches, chained by
+// programmatic dependent launch (PDL):
+// - persist_cast_kernel: x -> e4m3 [XR rows, KB * 128] + fp32 scales [KB][64] per token per 128
+//   (fp8_group_cast's math) in the workspace; it lets the main kernel start at once, so the main
+//   kernel's first weight loads overlap the cast;
+// - persist_linear_kernel: one CTA per SM, one producer thread (its own warp) and two math
+//   warpgroups. Work units are (128-row weight tile, K split s of S), S * tiles units in all; CTA c
+//   takes units c, c + G, c + 2 G, .., its j-th unit goes to warpgroup j % 2. One ring of kStages
+//   stages, each 16 KB of weights (128 rows x 128 K, 128-byte swizzle) + the x tile (XR rows x 128 K),
+//   filled by TMA (full mbarrier: transaction bytes; empty mbarrier: one arrive per consuming warp);
+//   the two warpgroups' chunk sequences alternate in the ring while both have chunks left. MMA:
+//   wgmma m64n128k32 (tokens on M, padded to 64; weight rows on N), four per stage, then the fp32
+//   promotion with the tile's block scale times each token's scale. S == 1: the output is stored
+//   from registers; S > 1: fp32 partials [S][M][N] in the workspace;
+// - persist_reduce_kernel (S > 1): out = the S partials summed in split order (deterministic).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "common/arch.h"
+#include "common/cuda_utils.h"
+#include "common/fp8_utils.cuh"
+#include "gemm/fp8_linear.h"
+#include "gemm/grouped_gemm_sm90.cuh"
+#include "gemm/tma_sm90.cuh"
+
+namespace deepfuse {
+namespace {
+
+constexpr int kTile = 128;              // weight rows per unit (one block-scale row)
+constexpr int kWB = kTile * 128;        // weight bytes per stage
+constexpr int kXB = 64 * 128;           // x bytes per stage (room for 64 tokens)
+constexpr int kStages = 9;              // 9 x 24 KB
+constexpr int kThreads = 2 * 128 + 32;  // two math warpgroups + the producer warp
+constexpr int kSmem = kStages * (kWB + kXB) + 2 * kStages * 8 + 1024;
+constexpr int kMaxSplits = 64;
+
+struct PArgs {
+  const float* xs;     // [KB][64] token scales (rows >= xr unwritten)
+  void* out;           // [M, N] bf16 / fp32
+  float* part;         // S > 1: [S][M][N]
+  const void* scale;   // [ceil(N/128), KB] fp32 / UE8M0
+  int M, N, KB;
+  int S, cps, units;   // K splits, 128-K chunks per split, units (tiles x S)
+  int xr;              // token rows loaded per stage (16, 32, 64)
+  bool out_bf16, scale_u8;
+};
+
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
+// Items of 8 values (16 lanes per (chunk, row) group of 128); whole warps iterate together (the
+// scale's amax is reduced over 16 lanes).
+template <typename XT>
+__global__ void __launch_bounds__(256) persist_cast_kernel(const XT* __restrict__ x, int M, int K, int KB, int Kp,
+                                                           int xr, uint8_t* __restrict__ x8, float* __restrict__ xs) {
+  griddep_launch();
+  constexpr bool kBf16 = sizeof(XT) == 2;
+  const int items = KB * xr * 16, lane = threadIdx.x & 31;
+  for (int q0 = blockIdx.x * 256 + (threadIdx.x & ~31); q0 < items; q0 += gridDim.x * 256) {
+    const int q = q0 + lane, kc = q / (xr * 16), r = (q >> 4) % xr, p = q & 15, k = kc * 128 + p * 8;
+    const bool ok = q < items && r < M && k < K;
+    float v[8];
+    if constexpr (kBf16) {
+      const uint4 raw = ok ? __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(r) * K + k))
+                           : make_uint4(0, 0, 0, 0);
+      widen8(raw, v);
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 f = ok ? __ldg(reinterpret_cast<const float4*>(x + static_cast<int64_t>(r) * K + k) + h)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[4 * h] = f.x, v[4 * h + 1] = f.y, v[4 * h + 2] = f.z, v[4 * h + 3] = f.w;
+      }
+    }
+    const float s = tma::scale8_group128(v);
+    if (q < items) {
+      *reinterpret_cast<uint2*>(x8 + static_cast<int64_t>(r) * Kp + k) = to_e4m3x8(v);
+      if (p == 0) xs[kc * 64 + r] = s;
+    }
+  }
+}
+
+template <typename Out>
+__global__ void __launch_bounds__(256) persist_reduce_kernel(const float* __restrict__ part, Out* __restrict__ out,
+                                                             int64_t MN, int S) {
+  griddep_wait();
+  for (int64_t i = blockIdx.x * 256 + threadIdx.x; i < MN; i += static_cast<int64_t>(gridDim.x) * 256) {
+    float s = 0.0f;
+    for (int z = 0; z < S; ++z) s += part[z * MN + i];
+    if constexpr (sizeof(Out) == 4) out[i] = s;
+    else out[i] = __float2bfloat16_rn(s);
+  }
+}
+
+__device__ __forceinline__ int unit_chunks(const PArgs& a, int u) {
+  const int s = u % a.S;
+  return min(a.KB, (s + 1) * a.cps) - s * a.cps;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    persist_linear_kernel(const PArgs a, const __grid_constant__ CUtensorMap wmap,
+                          const __grid_constant__ CUtensorMap xmap) {
+#if DEEPFUSE_SM90A_DEVICE
+  extern __shared__ char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  char* sW = base;
+  char* sX = base + kStages * kWB;
+  uint64_t* full = reinterpret_cast<uint64_t*>(sX + kStages * kXB);
+  uint64_t* empty = full + kStages;
+  const int tid = threadIdx.x, G = gridDim.x, c = blockIdx.x;
+  const int nu = c < a.units ? (a.units - c + G - 1) / G : 0;  // this CTA's units: c + j G
+  int n0 = 0, n1 = 0;                                           // chunks of warpgroup 0 / 1
+  for (int j = 0; j < nu; ++j) (j & 1 ? n1 : n0) += unit_chunks(a, c + j * G);
+  const int m = min(n0, n1), total = n0 + n1;  // ring index of warpgroup w's chunk i: i < m ? 2 i + w : m + i
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbar_init(gemm::smem_u32(full + s), 1);
+      tma::mbar_init(gemm::smem_u32(empty + s), 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  griddep_launch();  // the reduction kernel may be scheduled (it waits for this grid's completion)
+
+  if (tid >= 256) {  // producer warp: one thread issues every load
+    if (tid == 256 && total > 0) {
+      const int xbytes = a.xr * 128;
+      int cj[2] = {0, 1}, ck[2] = {0, 0};
+      auto next = [&](int i, int& tile, int& kc) {  // the chunk of ring index i
+        const int w = i < 2 * m ? (i & 1) : (n0 > n1 ? 0 : 1);
+        const int u = c + cj[w] * G;
+        tile = u / a.S, kc = (u % a.S) * a.cps + ck[w];
+        if (++ck[w] == unit_chunks(a, u)) ck[w] = 0, cj[w] += 2;
+      };
+      // The weights of the first stages stream while the cast kernel runs; x after it completed.
+      const int pre = min(total, kStages);
+      int pkc[kStages];
+#pragma unroll
+      for (int i = 0; i < kStages; ++i) {
+        if (i < pre) {
+          int tile, kc;
+          next(i, tile, kc);
+          pkc[i] = kc;
+          const uint32_t bar = gemm::smem_u32(full + i);
+          tma::mbar_expect_tx(bar, kWB + xbytes);
+          tma::tma_load_2d(gemm::smem_u32(sW + i * kWB), &wmap, kc * 128, tile * kTile, bar);
+        }
+      }
+      griddep_wait();
+#pragma unroll
+      for (int i = 0; i < kStages; ++i)
+        if (i < pre) tma::tma_load_2d(gemm::smem_u32(sX + i * kXB), &xmap, pkc[i] * 128, 0, gemm::smem_u32(full + i));
+      for (int i = kStages; i < total; ++i) {
+        const int st = i % kStages;
+        int tile, kc;
+        next(i, tile, kc);
+        tma::mbar_wait(gemm::smem_u32(empty + st), (i / kStages - 1) & 1);
+        const uint32_t bar = gemm::smem_u32(full + st);
+        tma::mbar_expect_tx(bar, kWB + xbytes);
+        tma::tma_load_2d(gemm::smem_u32(sW + st * kWB), &wmap, kc * 128, tile * kTile, bar);
+        tma::tma_load_2d(gemm::smem_u32(sX + st * kXB), &xmap, kc * 128, 0, bar);
+      }
+    }
+    return;
+  }
+
+  griddep_wait();  // token scales: written by the cast kernel
+  const int w = tid >> 7, ltid = tid & 127, lane = tid & 31, wq = ltid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int r0 = wq * 16 + g;  // this thread's token rows r0, r0 + 8
+  const float* wsf = static_cast<const float*>(a.scale);
+  const uint8_t* wsu = static_cast<const uint8_t*>(a.scale);
+  int ci = 0;  // this warpgroup's chunk counter
+  for (int j = w; j < nu; j += 2) {
+    const int u = c + j * G, tile = u / a.S, s = u % a.S, kb0 = s * a.cps, nk = unit_chunks(a, u);
+    float acc[64];
+#pragma unroll
+    for (int e = 0; e < 64; ++e) acc[e] = 0.0f;
+    for (int k = 0; k < nk; ++k, ++ci) {
+      const int gi = ci < m ? 2 * ci + w : m + ci, st = gi % kStages, kc = kb0 + k;
+      const int64_t so = static_cast<int64_t>(tile) * a.KB + kc;
+      const float ws = a.scale_u8 ? gemm::ue8m0_value(__ldg(wsu + so)) : __ldg(wsf + so);
+      const float s0 = r0 < a.xr ? __ldg(a.xs + kc * 64 + r0) : 0.0f;
+      const float s1 = r0 + 8 < a.xr ? __ldg(a.xs + kc * 64 + r0 + 8) : 0.0f;
+      tma::mbar_wait(gemm::smem_u32(full + st), (gi / kStages) & 1);
+      const uint32_t xa = gemm::smem_u32(sX + st * kXB), wa = gemm::smem_u32(sW + st * kWB);
+      float part[64];
+      gemm::wgmma_fence();
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        gemm::wgmma_m64n128k32(part, gemm::smem_desc(xa + q * 32), gemm::smem_desc(wa + q * 32), q);
+      gemm::wgmma_commit();
+      gemm::wgmma_wait0();
+      gemm::fence_regs(part);
+      __syncwarp();
+      if (lane == 0) tma::mbar_arrive(gemm::smem_u32(empty + st));
+      const float f0 = ws * s0, f1 = ws * s1;
+#pragma unroll
+      for (int e = 0; e < 64; ++e) acc[e] += part[e] * ((e & 2) ? f1 : f0);
+    }
+    // d[4 c8 + 2 h + b]: token r0 + 8 h, weight row tile * 128 + 8 c8 + 2 t4 + b.
+    const bool even = (a.N & 1) == 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int p = r0 + 8 * h;
+      if (p >= a.M) continue;
+#pragma unroll
+      for (int c8 = 0; c8 < 16; ++c8) {
+        const int n = tile * kTile + c8 * 8 + 2 * t4;
+        const float v0 = acc[4 * c8 + 2 * h], v1 = acc[4 * c8 + 2 * h + 1];
+        if (n >= a.N) continue;
+        if (a.S > 1) {
+          float* o = a.part + (static_cast<int64_t>(s) * a.M + p) * a.N + n;
+          if (even) *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+          else {
+            o[0] = v0;
+            if (n + 1 < a.N) o[1] = v1;
+          }
+        } else if (a.out_bf16) {
+          __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(p) * a.N + n;
+          if (even) *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
+          else {
+            o[0] = __float2bfloat16_rn(v0);
+            if (n + 1 < a.N) o[1] = __float2bfloat16_rn(v1);
+          }
+        } else {
+          float* o = static_cast<float*>(a.out) + static_cast<int64_t>(p) * a.N + n;
+          if (even) *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+          else {
+            o[0] = v0;
+            if (n + 1 < a.N) o[1] = v1;
+          }
+        }
+      }
+    }
+  }
+#else
+  __trap();  // wgmma / TMA: sm_90a only (launchers call require_sm90a)
+#endif
+}
+
+struct PPlan {
+  int S = 1, cps = 1, units = 0, grid = 0, xr = 64, KB = 0, Kp = 0;
+};
+
+int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
+
+// K splits: the fewest 128-K chunks per CTA (ceil(units / SMs) x chunks per unit), then the fewest
+// per warpgroup, then the fewest splits.
+bool persist_plan(const LinearProblem& p, PPlan& pl) {
+  if (p.mxfp4 || p.groups > 0 || p.x_mx || p.M < 1 || p.M > 64 || p.N < 1 || p.K < 128) return false;
+  const int ntiles = ceil_div(p.N, kTile), KB = ceil_div(p.K, 128), sms = num_sms();
+  int64_t best1 = -1, best2 = -1;
+  for (int S = 1; S <= std::min(KB, kMaxSplits); ++S) {
+    const int cps = ceil_div(KB, S);
+    if (ceil_div(KB, cps) != S) continue;  // an empty split
+    const int units = ntiles * S, per = ceil_div(units, sms);
+    const int64_t c1 = static_cast<int64_t>(per) * cps, c2 = static_cast<int64_t>(ceil_div(per, 2)) * cps;
+    if (best1 < 0 || c1 < best1 || (c1 == best1 && c2 < best2)) {
+      best1 = c1, best2 = c2;
+      pl.S = S, pl.cps = cps, pl.units = units, pl.grid = std::min(units, sms);
+    }
+  }
+  pl.xr = p.M <= 16 ? 16 : p.M <= 32 ? 32 : 64;
+  pl.KB = KB, pl.Kp = KB * 128;
+  return true;
+}
+
+// Workspace: x e4m3 [64, Kp], token scales [KB][64] fp32, partials [S][M][N] fp32 (S > 1).
+struct PWork {
+  int64_t xs, part, total;
+};
+PWork persist_work(const LinearProblem& p, const PPlan& pl) {
+  PWork w{};
+  w.xs = align256(64LL * pl.Kp);
+  w.part = w.xs + align256(4LL * pl.KB * 64);
+  w.total = w.part + (pl.S > 1 ? 4LL * pl.S * p.M * p.N : 0);
+  return w;
+}
+
+template <typename K, typename... Args>
+void launch_pdl(K kern, dim3 grid, dim3 block, int smem, cudaStream_t stream, const char* what, Args... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, kern, args...), what);
+}
+
+}  // namespace
+
+int64_t persist_linear_workspace_bytes(const LinearProblem& p) {
+  PPlan pl;
+  if (!persist_plan(p, pl)) return 0;
+  return persist_work(p, pl).total;
+}
+
+bool persist_linear(const LinearProblem& p, const void* x, bool x_bf16, void* out, bool out_bf16, void* workspace,
+                    cudaStream_t stream) {
+  PPlan pl;
+  if (!persist_plan(p, pl)) return false;
+  const auto encode = tma::encode_tiled();
+  if (encode == nullptr) return false;
+  const PWork wk = persist_work(p, pl);
+  uint8_t* x8 = static_cast<uint8_t*>(workspace);
+  float* xs = reinterpret_cast<float*>(x8 + wk.xs);
+  float* part = reinterpret_cast<float*>(x8 + wk.part);
+  CUtensorMap wmap, xmap;
+  if (!tma::encode_u8_2d(wmap, p.w, p.N, p.K, 128, kTile, true)) return false;
+  if (!tma::encode_u8_2d(xmap, x8, pl.xr, pl.Kp, 128, pl.xr, true)) return false;
+
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(persist_linear_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  check_cuda(attr, "cudaFuncSetAttribute(persist_linear_kernel)");
+
+  const int cast_items = pl.KB * pl.xr * 16;
+  const int cast_blocks = std::max(1, std::min(ceil_div(cast_items, 256), 2 * num_sms()));
+  if (x_bf16)
+    persist_cast_kernel<__nv_bfloat16><<<cast_blocks, 256, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x), static_cast<int>(p.M), p.K, pl.KB, pl.Kp, pl.xr, x8, xs);
+  else
+    persist_cast_kernel<float><<<cast_blocks, 256, 0, stream>>>(static_cast<const float*>(x), static_cast<int>(p.M),
+                                                               p.K, pl.KB, pl.Kp, pl.xr, x8, xs);
+  check_launch("persist_cast_kernel");
+
+  PArgs a{};
+  a.xs = xs, a.out = out, a.part = part, a.scale = p.scale;
+  a.M = static_cast<int>(p.M), a.N = p.N, a.KB = pl.KB;
+  a.S = pl.S, a.cps = pl.cps, a.units = pl.units, a.xr = pl.xr;
+  a.out_bf16 = out_bf16, a.scale_u8 = p.scale_u8;
+  launch_pdl(persist_linear_kernel, dim3(pl.grid), dim3(kThreads), kSmem, stream, "persist_linear_kernel", a, wmap,
+             xmap);
+  if (pl.S > 1) {
+    const int64_t MN = p.M * p.N;
+    const int blocks = static_cast<int>(std::min<int64_t>(ceil_div<int64_t>(MN, 256), 2 * num_sms()));
+    if (out_bf16)
+      launch_pdl(persist_reduce_kernel<__nv_bfloat16>, dim3(blocks), dim3(256), 0, stream, "persist_reduce_kernel",
+                 static_cast<const float*>(part), static_cast<__nv_bfloat16*>(out), MN, pl.S);
+    else
+      launch_pdl(persist_reduce_kernel<float>, dim3(blocks), dim3(256), 0, stream, "persist_reduce_kernel",
+                 static_cast<const float*>(part), static_cast<float*>(out), MN, pl.S);
+  }
+  return true;
+}
+
+}  // namespace deepfuse
