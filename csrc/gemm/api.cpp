@@ -53,10 +53,14 @@ LinearProblem linear_problem(const char* op, const TensorArg& x, const TensorArg
 }  // namespace
 
 // Workspace bytes fp8_linear needs for x times w on x's device (its SM count sets the K splits).
-int64_t fp8_linear_workspace_bytes(const TensorArg& x, const TensorArg& w, const TensorArg& w_scale, bool persist) {
+int64_t fp8_linear_workspace_bytes(const TensorArg& x, const TensorArg& w, const TensorArg& w_scale, bool persist,
+                                   int64_t persist_splits) {
   const char* op = "fp8_linear_workspace_bytes";
   LinearProblem p = linear_problem(op, x, w, w_scale);
   p.persist = persist;
+  if (persist_splits < 0 || persist_splits > 64)
+    arg_error(op, "persist_splits", "must be in [0, 64] (got " + std::to_string(persist_splits) + ")");
+  p.persist_splits = static_cast<int>(persist_splits);
   check_same_cuda_device(op, {{"x", x}, {"w", w}, {"w_scale", w_scale}});
   DeviceScope scope(op, "x", x);
   return deepfuse::fp8_linear_workspace_bytes(p);
@@ -72,14 +76,19 @@ int64_t fp8_linear_workspace_bytes(const TensorArg& x, const TensorArg& w, const
 // (x [M, G, K]) through the streaming kernel too where it serves the shape. x_scale: x is MXFP8
 // (e4m3 x with UE8M0 scales per 32 values, uint8 [M, K/32] or [M, G, K/32]); only the streaming
 // kernel takes it (a shape it does not serve raises). persist: dense fp8 M <= 64 runs the persistent
-// kernel (persist_linear.cu) where it serves the shape (the workspace sized with persist=True).
+// kernel (persist_linear.cu) where it serves the shape (the workspace sized with the same persist and
+// persist_splits); persist_splits: its K splits (0: the plan's choice, else at most this many).
 void fp8_linear(const TensorArg& x, const TensorArg& w, const TensorArg& w_scale, const TensorArg& out,
                 const TensorArg& workspace, int64_t stream_max_m, int64_t stream_max_splits, int64_t stream_wgs,
-                int64_t stream_policy, bool stream_grouped, const TensorArg& x_scale, bool persist) {
+                int64_t stream_policy, bool stream_grouped, const TensorArg& x_scale, bool persist,
+                int64_t persist_splits) {
   const char* op = "fp8_linear";
   LinearProblem p = linear_problem(op, x, w, w_scale, x_scale);
   p.stream_grouped = stream_grouped;
   p.persist = persist && !p.x_mx;
+  if (persist_splits < 0 || persist_splits > 64)
+    arg_error(op, "persist_splits", "must be in [0, 64] (got " + std::to_string(persist_splits) + ")");
+  p.persist_splits = static_cast<int>(persist_splits);
   if (stream_max_m < 0) arg_error(op, "stream_max_m", "must be >= 0 (got " + std::to_string(stream_max_m) + ")");
   p.stream_max_m = static_cast<int>(std::min<int64_t>(stream_max_m, 64));
   if (stream_max_splits != 1 && stream_max_splits != 2 && stream_max_splits != 4 && stream_max_splits != 8)
@@ -113,12 +122,13 @@ void fp8_linear(const TensorArg& x, const TensorArg& w, const TensorArg& w_scale
 
 void register_gemm(py::module_& m) {
   m.def("fp8_linear_workspace_bytes", &api::fp8_linear_workspace_bytes, py::kw_only(), py::arg("x"), py::arg("w"),
-        py::arg("w_scale"), py::arg("persist") = false, "workspace bytes fp8_linear needs for x times w (on x's device)");
+        py::arg("w_scale"), py::arg("persist") = false, py::arg("persist_splits") = 0,
+        "workspace bytes fp8_linear needs for x times w (on x's device)");
   m.def("fp8_linear", &api::fp8_linear, py::kw_only(), py::arg("x"), py::arg("w"), py::arg("w_scale"), py::arg("out"),
         py::arg("workspace"), py::arg("stream_max_m") = 64,
         py::arg("stream_max_splits") = 8, py::arg("stream_wgs") = 1, py::arg("stream_policy") = 0,
         py::arg("stream_grouped") = false,
-        py::arg("x_scale") = py::none(), py::arg("persist") = false,
+        py::arg("x_scale") = py::none(), py::arg("persist") = false, py::arg("persist_splits") = 0,
         "x [M, K] or [M, groups, K] bf16 / fp32 times fp8 / mxfp4 w -> out [M, N] or [M, groups, N] bf16 / fp32");
 }
 

@@ -24,6 +24,7 @@ struct LinearProblem {
   bool x_mx = false;           // x is MXFP8: e4m3 with UE8M0 scales per 32 (x_scale); streaming kernel only
   const void* x_scale = nullptr;  // x_mx: uint8 [M, K/32] ([M, groups, K/32])
   bool persist = false;        // dense fp8 M <= 64: the persistent kernel (persist_linear.cu) first
+  int persist_splits = 0;      // its K splits (0: the plan's choice; else at most this many, no empty split)
 };
 
 int64_t fp8_linear_workspace_bytes(const LinearProblem& p);

@@ -50,8 +50,17 @@ struct PArgs {
   bool out_bf16, scale_u8;
 };
 
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// Programmatic dependent launch (sm_90+): wait for the preceding grid / let the next one start.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // Items of 8 values (16 lanes per (chunk, row) group of 128); whole warps iterate together (the
 // scale's amax is reduced over 16 lanes).
@@ -251,7 +260,7 @@ struct PPlan {
 int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
 // K splits: the fewest 128-K chunks per CTA (ceil(units / SMs) x chunks per unit), then the fewest
-// per warpgroup, then the fewest splits.
+// per warpgroup, then the fewest splits (persist_splits > 0: the most splits up to it).
 bool persist_plan(const LinearProblem& p, PPlan& pl) {
   if (p.mxfp4 || p.groups > 0 || p.x_mx || p.M < 1 || p.M > 64 || p.N < 1 || p.K < 128) return false;
   const int ntiles = ceil_div(p.N, kTile), KB = ceil_div(p.K, 128), sms = num_sms();
@@ -259,7 +268,12 @@ bool persist_plan(const LinearProblem& p, PPlan& pl) {
   for (int S = 1; S <= std::min(KB, kMaxSplits); ++S) {
     const int cps = ceil_div(KB, S);
     if (ceil_div(KB, cps) != S) continue;  // an empty split
-    const int units = ntiles * S, per = ceil_div(units, sms);
+    const int units = ntiles * S;
+    if (p.persist_splits > 0) {  // forced: the most splits up to persist_splits
+      if (S <= p.persist_splits) pl.S = S, pl.cps = cps, pl.units = units, pl.grid = std::min(units, sms);
+      continue;
+    }
+    const int per = ceil_div(units, sms);
     const int64_t c1 = static_cast<int64_t>(per) * cps, c2 = static_cast<int64_t>(ceil_div(per, 2)) * cps;
     if (best1 < 0 || c1 < best1 || (c1 == best1 && c2 < best2)) {
       best1 = c1, best2 = c2;

@@ -135,6 +135,7 @@ STREAM_GROUPED = False
 # producer warp, two math warpgroups, 128-row weight tiles, split-K partials reduced in split order)
 # where it serves the shape; False: the streaming / grouped kernels as above.
 PERSIST_FP8 = False
+PERSIST_SPLITS = 0  # its K splits: 0 the plan's choice (fewest chunks per SM), else at most this many
 
 
 def linear_gap(x_dtype: torch.dtype, K: int, w: torch.Tensor, scale: Optional[torch.Tensor], fmt: str) -> Optional[str]:
@@ -196,12 +197,13 @@ def _fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torc
     C = _ext.ext(x.device)
     fmt = "fp8" if w.dtype == torch.float8_e4m3fn else "mxfp4"
     persist = PERSIST_FP8 and fmt == "fp8" and x.dim() == 2
-    work = torch.empty(C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=scale, persist=persist), dtype=torch.uint8,
-                       device=x.device)
+    work = torch.empty(C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=scale, persist=persist,
+                                                    persist_splits=PERSIST_SPLITS), dtype=torch.uint8, device=x.device)
     stream = fmt in STREAM_FMTS and not (fmt == "fp8" and x.shape[0] < STREAM_MIN_M_FP8)
     C.fp8_linear(x=x, w=w, w_scale=scale, out=out, workspace=work,
                  stream_max_m=STREAM_MAX_M if stream else 0, stream_max_splits=STREAM_MAX_SPLITS,
-                 stream_wgs=STREAM_WGS, stream_policy=STREAM_POLICY, stream_grouped=STREAM_GROUPED, persist=persist)
+                 stream_wgs=STREAM_WGS, stream_policy=STREAM_POLICY, stream_grouped=STREAM_GROUPED, persist=persist,
+                 persist_splits=PERSIST_SPLITS)
 
 
 @_quant_linear.register_kernel("cuda")
