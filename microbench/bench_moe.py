@@ -5,7 +5,7 @@ python -m microbench.bench_moe --out DIR [--quick] [--profile] [--models flash p
                                 [--prefill-min-t N] [--prefill-mxfp4-min-t N]
 
 Per (model, weight format, T tokens): time of route + experts (`us`, the router's fp32 logits
-GEMM included), the touched expert weights (routed experts the routing hits + the shared
+GEMM included; at T <= 256 also with the router fused in: `fused_us`, ops.moe.moe_gate_experts), the touched expert weights (routed experts the routing hits + the shared
 expert) read per second and as a fraction of the copy ceiling measured in this run
 (`frac_copy`; `floor_us` = touched bytes / ceiling), TFLOP/s (6 I d per token-expert pair) and
 the fraction of the FP8 dense peak measured in this run (torch._scaled_mm 8192^3), at T <=
@@ -175,6 +175,19 @@ def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True, graph
                 r["x_grouped"] = t_grouped.median_us / t.median_us
             if graph and T <= 128:  # replayed in a CUDA graph: launch gaps and host work amortised, L2 warm
                 r["graph_us"] = H.time_graph(step, calls=10, reps=10).median_us
+            if T <= 256:  # the router fused in (ops.moe.moe_gate_experts at GATE_FUSED_MAX_T >= T), same inputs
+                def fused():
+                    return M.moe_gate_experts(x, gate, k, w1, w3, w2, bias=bias, route_scale=1.5, s1=s1, s3=s3,
+                                              s2=s2, fmt=fmt, limit=10.0, shared=sh)[0]
+
+                keep, M.GATE_FUSED_MAX_T = M.GATE_FUSED_MAX_T, 256
+                try:
+                    r["fused_us"] = H.time_fn(fused, reps=reps).median_us
+                    r["x_fused"] = t.median_us / r["fused_us"]
+                    if graph and T <= 128:
+                        r["fused_graph_us"] = H.time_graph(fused, calls=10, reps=10).median_us
+                finally:
+                    M.GATE_FUSED_MAX_T = keep
             for bn, b in base.items():
                 tb = H.time_fn(lambda: b(x, ids, wts), reps=reps)
                 r[f"{bn}_us"] = tb.median_us
@@ -209,7 +222,7 @@ def run_model(name, fmts, Ts, ctx, peak, g, rows, profile, baselines=True, graph
 COLS = [("model", "{}"), ("fmt", "{}"), ("T", "{}"), ("us", "{:.1f}"), ("floor_us", "{:.1f}"),
         ("touched_MB", "{:.0f}"), ("TBps", "{:.2f}"), ("frac_copy", "{:.2f}"), ("TFLOPs", "{:.0f}"),
         ("frac_fp8_peak", "{:.2f}"), ("grouped_us", "{:.1f}"), ("x_grouped", "{:.2f}"), ("graph_us", "{:.1f}"),
-        ("bf16_us", "{:.1f}"), ("x_bf16", "{:.1f}"), ("fp8_us", "{:.1f}"),
+        ("fused_us", "{:.1f}"), ("x_fused", "{:.2f}"), ("fused_graph_us", "{:.1f}"), ("bf16_us", "{:.1f}"), ("x_bf16", "{:.1f}"), ("fp8_us", "{:.1f}"),
         ("x_fp8", "{:.1f}")]
 
 

@@ -1,5 +1,6 @@
 // deepfuse._C launchers of the moe family: router, fused routed (+ shared) experts.
 #include <algorithm>
+#include <initializer_list>
 #include <string>
 
 #include "common/api.h"
@@ -94,26 +95,20 @@ int64_t moe_workspace_bytes(int64_t T, int64_t d, int64_t inter, int64_t E, int6
   return deepfuse::moe_workspace_bytes(p);
 }
 
-// x [T, d] bf16 / fp32; ids int32 / int64 [T, k]; weights fp32 [T, k]; experts w1, w3 [E, inter, d],
-// w2 [E, d, inter] (fp8 or mxfp4, the format from w1's dtype) with their scales; an optional fp8
-// shared expert shared_w1, shared_w3 [inter, d], shared_w2 [d, inter] (all six or none)
-// -> out [T, d] of x's dtype. workspace: uint8, at least moe_workspace_bytes.
-void moe_experts(const TensorArg& x, const TensorArg& ids, const TensorArg& weights, const TensorArg& w1,
-                 const TensorArg& w1_scale, const TensorArg& w3, const TensorArg& w3_scale, const TensorArg& w2,
-                 const TensorArg& w2_scale, const TensorArg& out, const TensorArg& workspace, double limit,
-                 const TensorArg& shared_w1, const TensorArg& shared_w1_scale, const TensorArg& shared_w3,
-                 const TensorArg& shared_w3_scale, const TensorArg& shared_w2, const TensorArg& shared_w2_scale,
-                 int64_t stream_max_t, int64_t prefill_min_t) {
-  const char* op = "moe_experts";
+namespace {
+
+// moe_experts / moe_gate_experts: validation of x, the experts, out and the workspace, then the launch.
+// gate null: ids / weights are inputs (checked by the caller); else the fused router's outputs.
+void run_experts(const char* op, const TensorArg& x, const TensorArg& ids, const TensorArg& weights, int64_t k,
+                 const TensorArg& w1, const TensorArg& w1_scale, const TensorArg& w3, const TensorArg& w3_scale,
+                 const TensorArg& w2, const TensorArg& w2_scale, const TensorArg& out, const TensorArg& workspace,
+                 double limit, const TensorArg& shared_w1, const TensorArg& shared_w1_scale,
+                 const TensorArg& shared_w3, const TensorArg& shared_w3_scale, const TensorArg& shared_w2,
+                 const TensorArg& shared_w2_scale, int64_t stream_max_t, int64_t prefill_min_t,
+                 const MoeGate* gate, std::initializer_list<Named> more) {
   if (stream_max_t < 0) arg_error(op, "stream_max_t", "must be >= 0 (got " + std::to_string(stream_max_t) + ")");
   if (prefill_min_t < 0) arg_error(op, "prefill_min_t", "must be >= 0 (got " + std::to_string(prefill_min_t) + ")");
-  Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).dim(2).contiguous().aligned(16);
   const int64_t T = x.size(0), d = x.size(1);
-  if (d % 32 || d > kMaxDim) Check(op, "x", x).fail("must have d % 32 == 0 and d <= 8192 (the kernels' limits)");
-  Check(op, "ids", ids).dtype({DType::kI32, DType::kI64}).dim(2).size(0, T).contiguous();
-  const int64_t k = ids.size(1);
-  if (k < 1) Check(op, "ids", ids).fail("must have at least one column");
-  Check(op, "weights", weights).dtype(DType::kF32).shape({T, k}).contiguous();
   Check(op, "w1", w1).dtype({DType::kF8E4M3, DType::kU8, DType::kF4x2}).dim(3);
   const WeightFmt fmt = w1.dtype == DType::kF8E4M3 ? WeightFmt::kFp8 : WeightFmt::kMxfp4;
   const int64_t E = w1.size(0), inter = w1.size(1);
@@ -151,16 +146,79 @@ void moe_experts(const TensorArg& x, const TensorArg& ids, const TensorArg& weig
   if (workspace.numel() < need)
     Check(op, "workspace", workspace)
         .fail("must hold at least " + std::to_string(need) + " bytes (moe_workspace_bytes)");
-  check_same_cuda_device(op, {{"x", x}, {"ids", ids}, {"weights", weights}, {"w1", w1}, {"w1_scale", w1_scale},
-                              {"w3", w3}, {"w3_scale", w3_scale}, {"w2", w2}, {"w2_scale", w2_scale},
-                              {"shared_w1", shared_w1}, {"shared_w1_scale", shared_w1_scale},
-                              {"shared_w3", shared_w3}, {"shared_w3_scale", shared_w3_scale},
-                              {"shared_w2", shared_w2}, {"shared_w2_scale", shared_w2_scale}, {"out", out},
-                              {"workspace", workspace}});
+  const int dev = check_same_cuda_device(
+      op, {{"x", x}, {"ids", ids}, {"weights", weights}, {"w1", w1}, {"w1_scale", w1_scale}, {"w3", w3},
+           {"w3_scale", w3_scale}, {"w2", w2}, {"w2_scale", w2_scale}, {"shared_w1", shared_w1},
+           {"shared_w1_scale", shared_w1_scale}, {"shared_w3", shared_w3}, {"shared_w3_scale", shared_w3_scale},
+           {"shared_w2", shared_w2}, {"shared_w2_scale", shared_w2_scale}, {"out", out}, {"workspace", workspace}});
+  for (const Named& n : more)
+    if (n.t.defined()) Check(op, n.name, n.t).cuda(dev);
   if (T == 0) return;
   DeviceScope scope(op, "x", x);
   deepfuse::moe_experts(p, x.data, x.dtype == DType::kBF16, ids.data, ids.dtype == DType::kI64,
-                        weights.ptr<const float>(), out.data, workspace.data, as_cuda_stream(scope));
+                        weights.ptr<const float>(), out.data, workspace.data, as_cuda_stream(scope), gate);
+}
+
+}  // namespace
+
+// x [T, d] bf16 / fp32; ids int32 / int64 [T, k]; weights fp32 [T, k]; experts w1, w3 [E, inter, d],
+// w2 [E, d, inter] (fp8 or mxfp4, the format from w1's dtype) with their scales; an optional fp8
+// shared expert shared_w1, shared_w3 [inter, d], shared_w2 [d, inter] (all six or none)
+// -> out [T, d] of x's dtype. workspace: uint8, at least moe_workspace_bytes.
+void moe_experts(const TensorArg& x, const TensorArg& ids, const TensorArg& weights, const TensorArg& w1,
+                 const TensorArg& w1_scale, const TensorArg& w3, const TensorArg& w3_scale, const TensorArg& w2,
+                 const TensorArg& w2_scale, const TensorArg& out, const TensorArg& workspace, double limit,
+                 const TensorArg& shared_w1, const TensorArg& shared_w1_scale, const TensorArg& shared_w3,
+                 const TensorArg& shared_w3_scale, const TensorArg& shared_w2, const TensorArg& shared_w2_scale,
+                 int64_t stream_max_t, int64_t prefill_min_t) {
+  const char* op = "moe_experts";
+  Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).dim(2).contiguous().aligned(16);
+  const int64_t T = x.size(0), d = x.size(1);
+  if (d % 32 || d > kMaxDim) Check(op, "x", x).fail("must have d % 32 == 0 and d <= 8192 (the kernels' limits)");
+  Check(op, "ids", ids).dtype({DType::kI32, DType::kI64}).dim(2).size(0, T).contiguous();
+  const int64_t k = ids.size(1);
+  if (k < 1) Check(op, "ids", ids).fail("must have at least one column");
+  Check(op, "weights", weights).dtype(DType::kF32).shape({T, k}).contiguous();
+  run_experts(op, x, ids, weights, k, w1, w1_scale, w3, w3_scale, w2, w2_scale, out, workspace, limit, shared_w1,
+              shared_w1_scale, shared_w3, shared_w3_scale, shared_w2, shared_w2_scale, stream_max_t, prefill_min_t,
+              nullptr, {});
+}
+
+// The router fused in (T <= 256): gate_weight fp32 [E, d] (E = the experts' count, <= 1024), gate_bias fp32 [E]
+// | None, hash_ids int32 / int64 [T, k] | None; x, the experts, out, workspace as moe_experts
+// -> ids int64 [T, k], weights fp32 [T, k] (moe_route's semantics on x gate_weight^T in fp32) and out.
+void moe_gate_experts(const TensorArg& x, const TensorArg& gate_weight, const TensorArg& gate_bias,
+                      const TensorArg& hash_ids, double route_scale, const std::string& score_func,
+                      const TensorArg& ids, const TensorArg& weights, const TensorArg& w1,
+                      const TensorArg& w1_scale, const TensorArg& w3, const TensorArg& w3_scale, const TensorArg& w2,
+                      const TensorArg& w2_scale, const TensorArg& out, const TensorArg& workspace, double limit,
+                      const TensorArg& shared_w1, const TensorArg& shared_w1_scale, const TensorArg& shared_w3,
+                      const TensorArg& shared_w3_scale, const TensorArg& shared_w2,
+                      const TensorArg& shared_w2_scale, int64_t stream_max_t, int64_t prefill_min_t) {
+  const char* op = "moe_gate_experts";
+  const ScoreFunc score = score_func_of(op, score_func);
+  Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).dim(2).contiguous().aligned(16);
+  const int64_t T = x.size(0), d = x.size(1);
+  if (d % 32 || d > kMaxDim) Check(op, "x", x).fail("must have d % 32 == 0 and d <= 8192 (the kernels' limits)");
+  if (T > kGateMaxT) Check(op, "x", x).fail("must have at most 256 rows (the fused gate's limit)");
+  Check(op, "w1", w1).dim(3);
+  const int64_t E = w1.size(0);
+  if (E > kRouteMaxE) Check(op, "w1", w1).fail("must have at most 1024 experts (the fused gate's limit)");
+  Check(op, "gate_weight", gate_weight).dtype(DType::kF32).shape({E, d}).contiguous().aligned(16);
+  Check(op, "weights", weights).dtype(DType::kF32).dim(2).size(0, T).contiguous();
+  const int64_t k = weights.size(1);
+  if (k < 1 || k > kRouteMaxK || k > E)
+    Check(op, "weights", weights).fail("must have k in [1, min(32, E)] columns (E = " + std::to_string(E) + ")");
+  Check(op, "ids", ids).dtype(DType::kI64).shape({T, k}).contiguous();
+  Check(op, "gate_bias", gate_bias).optional().dtype(DType::kF32).shape({E}).contiguous();
+  Check(op, "hash_ids", hash_ids).optional().dtype({DType::kI32, DType::kI64}).shape({T, k}).contiguous();
+  MoeGate g;
+  g.w = gate_weight.ptr<const float>(), g.bias = gate_bias.ptr<const float>();
+  g.hash_ids = hash_ids.data, g.hash_is64 = hash_ids.dtype == DType::kI64;
+  g.score = score, g.route_scale = static_cast<float>(route_scale);
+  run_experts(op, x, ids, weights, k, w1, w1_scale, w3, w3_scale, w2, w2_scale, out, workspace, limit, shared_w1,
+              shared_w1_scale, shared_w3, shared_w3_scale, shared_w2, shared_w2_scale, stream_max_t, prefill_min_t,
+              &g, {Named{"gate_weight", gate_weight}, Named{"gate_bias", gate_bias}, Named{"hash_ids", hash_ids}});
 }
 
 // Dense FP8 linears at large M through the prefill kernel (csrc/moe/moe_prefill.cu): x [M, K] bf16 / fp32
@@ -237,6 +295,16 @@ void register_moe(py::module_& m) {
         "routed fp8 / mxfp4 experts (+ an fp8 shared expert) of x [T, d] -> out [T, d]; T <= stream_max_t "
         "(<= 256): the streaming decode kernels (0: the grouped kernels); T > 256 and T >= prefill_min_t (> 0): "
         "the prefill kernels (fp8 and mxfp4)");
+  m.def("moe_gate_experts", &api::moe_gate_experts, py::kw_only(), py::arg("x"), py::arg("gate_weight"),
+        py::arg("gate_bias"), py::arg("hash_ids"), py::arg("route_scale"), py::arg("score_func"), py::arg("ids"),
+        py::arg("weights"), py::arg("w1"), py::arg("w1_scale"), py::arg("w3"), py::arg("w3_scale"), py::arg("w2"),
+        py::arg("w2_scale"), py::arg("out"), py::arg("workspace"), py::arg("limit"),
+        py::arg("shared_w1") = py::none(), py::arg("shared_w1_scale") = py::none(),
+        py::arg("shared_w3") = py::none(), py::arg("shared_w3_scale") = py::none(),
+        py::arg("shared_w2") = py::none(), py::arg("shared_w2_scale") = py::none(), py::arg("stream_max_t") = 0,
+        py::arg("prefill_min_t") = 0,
+        "moe_experts with the router fused in (T <= 256): logits x gate_weight^T (fp32), route (moe_route's "
+        "semantics) and plan in two launches -> ids int64 [T, k], weights fp32 [T, k] and out [T, d]");
   m.def("fp8_linear_prefill_workspace_bytes", &api::fp8_linear_prefill_workspace_bytes, py::kw_only(), py::arg("M"),
         py::arg("K"), "workspace bytes fp8_linear_prefill needs for x [M, K] (K: every group's columns)");
   m.def("fp8_linear_prefill", &api::fp8_linear_prefill, py::kw_only(), py::arg("x"), py::arg("w"), py::arg("w_scale"),

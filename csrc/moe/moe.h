@@ -39,9 +39,28 @@ struct MoeProblem {
 // Workspace (bytes) for a problem; the launcher carves it. P = T * (k + has_shared) pairs.
 int64_t moe_workspace_bytes(const MoeProblem& p);
 
+// The router fused into moe_experts (T <= kGateMaxT): logits = x w^T in fp32 (x as given, w fp32
+// [E, d], d % 4 == 0), then moe_route's semantics; ids / weights are written, not read.
+constexpr int kGateMaxT = 256;
+struct MoeGate {
+  const float* w = nullptr;         // [E, d]
+  const float* bias = nullptr;      // [E] or null
+  const void* hash_ids = nullptr;   // [T, k] int32 / int64 or null
+  bool hash_is64 = false;
+  ScoreFunc score = ScoreFunc::kSqrtSoftplus;
+  float route_scale = 1.0f;
+};
+
 // x [T, d] (bf16 if x_bf16 else fp32, rows contiguous); ids [T, k] (int32 / int64; ids outside
-// [0, E) contribute nothing); weights fp32 [T, k]; out [T, d] of x's dtype.
+// [0, E) contribute nothing); weights fp32 [T, k]; out [T, d] of x's dtype. With gate (T <=
+// kGateMaxT): ids (int64) and weights are outputs of the fused router (two launches: the logits
+// GEMV, then route + plan in one CTA) instead of inputs.
 void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* ids, bool ids_is64,
-                 const float* weights, void* out, void* workspace, cudaStream_t stream);
+                 const float* weights, void* out, void* workspace, cudaStream_t stream,
+                 const MoeGate* gate = nullptr);
+
+// The fused gate's logits [T, E] fp32 (moe_route.cu; internal to moe_experts).
+void moe_gate_logits(const void* x, bool x_bf16, const float* w, int T, int d, int E, float* logits,
+                     cudaStream_t stream);
 
 }  // namespace deepfuse

@@ -17,6 +17,7 @@
 #include "common/cuda_utils.h"
 #include "moe/moe.h"
 #include "moe/moe_prefill.h"
+#include "moe/moe_route.cuh"
 #include "moe/moe_stream.h"
 #include "gemm/grouped_gemm_sm90.cuh"
 
@@ -30,6 +31,8 @@ using gemm::GemmOperand;
 constexpr int kPlanThreads = 1024;
 constexpr int kMaxExperts = 2 * kPlanThreads - 1;  // E + 1 scan slots
 constexpr int kSmallPlan = 16384;                    // pairs planned in one CTA
+constexpr int kRouteFloats = 24576;                  // fused gate: routing warps' scratch (floats)
+constexpr int kRouteSmem = kRouteFloats * 4;
 
 // decode: 64 weight rows x 16 tokens, all CTAs of a T = 1 step resident at once (two 128-K
 // chunks per stage measured slower: 148 vs 119 us at T = 1);
@@ -99,8 +102,8 @@ __device__ void plan_scan(const PlanArgs& a, const int* cnt, int* base) {
   if (tid == 0) *a.ntasks = total.y;
 }
 
-__global__ void __launch_bounds__(kPlanThreads) plan_small_kernel(const PlanArgs a) {
-  __shared__ int cnt[kMaxExperts + 1], base[kMaxExperts + 1];
+// The whole plan in one CTA (kPlanThreads threads; cnt / base in shared memory).
+__device__ __forceinline__ void plan_small(const PlanArgs& a, int* cnt, int* base) {
   const int P = a.T * a.ktot;
   for (int e = threadIdx.x; e < a.nexp; e += kPlanThreads) cnt[e] = 0;
   __syncthreads();
@@ -125,6 +128,61 @@ __global__ void __launch_bounds__(kPlanThreads) plan_small_kernel(const PlanArgs
     }
     a.inv[q] = pos;
   }
+}
+
+__global__ void __launch_bounds__(kPlanThreads) plan_small_kernel(const PlanArgs a) {
+  __shared__ int cnt[kMaxExperts + 1], base[kMaxExperts + 1];
+  plan_small(a, cnt, base);
+}
+
+// The fused gate's second launch (after gate_logits_kernel, programmatic dependent launch): route
+// every token (warps < nw, one token at a time, moe_route's semantics: moe_route.cuh), write
+// ids / weights, then the plan from them in the same CTA.
+struct RouteArgs {
+  const float* logits;
+  const float* bias;
+  const void* hash_ids;
+  bool hash_is64;
+  float route_scale;
+  int nw;  // routing warps (their scratch: 2 E floats each, dynamic shared memory)
+};
+
+template <ScoreFunc S>
+__global__ void __launch_bounds__(kPlanThreads) route_plan_kernel(const PlanArgs a, const RouteArgs r) {
+  extern __shared__ float rs[];
+  __shared__ int cnt[kMaxExperts + 1], base[kMaxExperts + 1];
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // the GEMMs after this kernel wait for its completion before reading the plan
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int warp = threadIdx.x / 32;
+  if (warp < r.nw) {
+    float* g = rs + warp * 2 * a.E;
+    for (int t = warp; t < a.T; t += r.nw)
+      route::route_token<S>(r.logits + static_cast<int64_t>(t) * a.E, r.bias, r.hash_ids, r.hash_is64, g, g + a.E,
+                            t, a.E, a.k, r.route_scale, const_cast<float*>(a.weights),
+                            static_cast<int64_t*>(const_cast<void*>(a.ids)));
+  }
+  __syncthreads();  // ids / weights (global) visible to the whole CTA
+  plan_small(a, cnt, base);
+}
+
+template <ScoreFunc S>
+void launch_route_plan(const PlanArgs& pa, const RouteArgs& ra, cudaStream_t stream) {
+  auto kern = route_plan_kernel<S>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kRouteSmem);
+  check_cuda(attr, "cudaFuncSetAttribute(route_plan_kernel)");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(1, 1, 1);
+  cfg.blockDim = dim3(kPlanThreads, 1, 1);
+  cfg.dynamicSmemBytes = static_cast<size_t>(ra.nw) * 2 * pa.E * sizeof(float);
+  cfg.stream = stream;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, kern, pa, ra), "route_plan_kernel");
 }
 
 __global__ void plan_count_kernel(const PlanArgs a) {
@@ -190,7 +248,7 @@ __global__ void combine_kernel(const float* __restrict__ Y, const int* __restric
 
 struct Workspace {
   int *counts, *cursor, *tasks, *ntasks, *rows, *inv;
-  float* wrow;
+  float *wrow, *logits;
   uint8_t *xq, *hq;
   float *xs, *hs, *Y;
   __nv_bfloat16* h;
@@ -223,6 +281,7 @@ Workspace carve(const MoeProblem& p, void* base) {
   w.rows = reinterpret_cast<int*>(take(4 * P));
   w.inv = reinterpret_cast<int*>(take(4 * P));
   w.wrow = reinterpret_cast<float*>(take(4 * P));
+  w.logits = reinterpret_cast<float*>(take(p.T <= kGateMaxT ? 4LL * p.T * p.E : 0));  // the fused gate's
   w.xq = reinterpret_cast<uint8_t*>(take(static_cast<int64_t>(p.T) * p.d));
   w.xs = reinterpret_cast<float*>(take(4LL * p.T * ceil_div(p.d, 128)));
   w.h = reinterpret_cast<__nv_bfloat16*>(take(2 * P * p.inter));
@@ -283,7 +342,7 @@ void run_gemms(const MoeProblem& p, const Workspace& w, int64_t U, int64_t P, cu
 int64_t moe_workspace_bytes(const MoeProblem& p) { return carve(p, nullptr).bytes; }
 
 void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* ids, bool ids_is64,
-                 const float* weights, void* out, void* workspace, cudaStream_t stream) {
+                 const float* weights, void* out, void* workspace, cudaStream_t stream, const MoeGate* gate) {
   require_sm90a("moe_experts");
   if (p.T <= 0) return;
   const int ktot = p.k + (p.has_shared ? 1 : 0), nexp = p.E + (p.has_shared ? 1 : 0);
@@ -296,7 +355,19 @@ void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* id
 
   PlanArgs pa{ids, ids_is64, weights, p.T, p.k, ktot, p.E, nexp, BM, w.counts, w.cursor,
               w.tasks, w.ntasks, w.rows, w.wrow, w.inv};
-  if (P <= kSmallPlan) {
+  if (gate != nullptr) {  // ids (int64) / weights are the router's outputs
+    if (p.T > kGateMaxT || P > kSmallPlan || p.E > 1024 || p.k > 32)
+      throw std::runtime_error("deepfuse: moe_experts: the fused gate takes T <= 256, E <= 1024, k <= 32");
+    pa.ids64 = true;
+    moe_gate_logits(x, x_bf16, gate->w, p.T, p.d, p.E, w.logits, stream);
+    const RouteArgs ra{w.logits, gate->bias, gate->hash_ids, gate->hash_is64, gate->route_scale,
+                       std::min(kPlanThreads / 32, kRouteFloats / (2 * p.E))};
+    switch (gate->score) {
+      case ScoreFunc::kSqrtSoftplus: launch_route_plan<ScoreFunc::kSqrtSoftplus>(pa, ra, stream); break;
+      case ScoreFunc::kSigmoid: launch_route_plan<ScoreFunc::kSigmoid>(pa, ra, stream); break;
+      case ScoreFunc::kSoftmax: launch_route_plan<ScoreFunc::kSoftmax>(pa, ra, stream); break;
+    }
+  } else if (P <= kSmallPlan) {
     plan_small_kernel<<<1, kPlanThreads, 0, stream>>>(pa);
     check_launch("plan_small_kernel");
   } else {

@@ -424,3 +424,133 @@ def test_moe_route_hash_path(dtype):
     wr, ir = M.moe_route_ref(logits, None, k, 2.5, "sqrtsoftplus", hash_ids)
     assert torch.equal(ids, ir)
     torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the router fused in (moe_gate_experts)
+@pytest.fixture
+def gate_fused(monkeypatch):
+    monkeypatch.setattr(M, "GATE_FUSED_MAX_T", 256)
+    monkeypatch.setattr(M, "STREAM_MIN_T", {})
+
+
+def run_gate(x, gw, k, ex, fmt, limit, shared, **kw):
+    (a, sa), (b, sb), (c, sc) = ex["w1"], ex["w3"], ex["w2"]
+    return M.moe_gate_experts(x, gw, k, a, b, c, s1=sa, s3=sb, s2=sc, fmt=fmt, limit=limit, shared=shared, **kw)
+
+
+def check_gate(x, gw, k, ex, fmt, limit, sh, out, w, ids, bias=None, route_scale=1.0, score="sqrtsoftplus",
+               hash_ids=None):
+    """Routing against moe_route_ref on fp32 logits (ids as sets, weights 1e-5), out bit-equal to moe_experts
+    on those ids / weights, and within the bounds of `check` against the emulation and the exact reference."""
+    logits = torch.nn.functional.linear(x.float(), gw)
+    wr, ir = M.moe_route_ref(logits, bias, k, route_scale, score, hash_ids)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32
+    if hash_ids is None:
+        o, orf = ids.sort(-1), ir.sort(-1)
+        assert torch.equal(o.values, orf.values)
+        torch.testing.assert_close(w.gather(-1, o.indices), wr.gather(-1, orf.indices), rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(ids, ir)
+        torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out, run_kernel(x, ids, w, ex, fmt, limit, sh))
+    if gw.shape[0] > 256:  # many experts: the routing and the bit-equality above (moe_experts' own tests do the rest)
+        assert torch.isfinite(out).all()
+        return 0.0
+    ref = M.moe_experts_ref(x.float(), ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), fmt, limit, sh)
+    return check(out, emulated(x, ids, w, ex, fmt, limit, sh), ref)
+
+
+GATE_CASES = [  # T, d, I, E, k, score, bias, hash, shared, x dtype
+    (1, 256, 128, 16, 2, "sqrtsoftplus", True, False, True, torch.bfloat16),
+    (5, 256, 128, 64, 6, "sigmoid", True, False, False, torch.float32),
+    (8, 512, 256, 256, 6, "sqrtsoftplus", True, True, True, torch.bfloat16),
+    (13, 256, 128, 32, 4, "softmax", False, False, True, torch.bfloat16),
+    (64, 256, 128, 256, 6, "sqrtsoftplus", True, False, True, torch.bfloat16),
+    (3, 256, 128, 1024, 32, "sigmoid", True, False, False, torch.bfloat16),
+    (256, 384, 256, 64, 8, "sqrtsoftplus", True, False, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("T,d,I,E,k,score,use_bias,use_hash,shared,dt", GATE_CASES)
+def test_moe_gate_experts_matches_reference(fmt, T, d, I, E, k, score, use_bias, use_hash, shared, dt, path,
+                                            gate_fused):
+    g = torch.Generator(device=DEV).manual_seed(T + E)
+    ex, sh = make_experts(E, I, d, fmt, seed=E, shared=shared)
+    x = torch.randn(T, d, device=DEV, generator=g).to(dt)
+    gw = torch.randn(E, d, device=DEV, generator=g) * d ** -0.5
+    bias = torch.randn(E, device=DEV, generator=g) * 0.1 if use_bias else None
+    hid = torch.randint(0, E, (T, k), device=DEV, generator=g) if use_hash else None
+    out, w, ids = run_gate(x, gw, k, ex, fmt, 7.0, sh, bias=bias, route_scale=1.5, score_func=score, hash_ids=hid)
+    check_gate(x, gw, k, ex, fmt, 7.0, sh, out, w, ids, bias, 1.5, score, hid)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 8])
+def test_moe_gate_experts_v4_flash_shape(fmt, T, gate_fused):
+    E, d, I, k = 256, 4096, 2048, 6
+    g = torch.Generator(device=DEV).manual_seed(T)
+    ex, sh = make_experts(E, I, d, fmt, seed=1, shared=True)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    gw = torch.randn(E, d, device=DEV, generator=g) * d ** -0.5
+    bias = torch.randn(E, device=DEV, generator=g) * 0.1
+    out, w, ids = run_gate(x, gw, k, ex, fmt, 10.0, sh, bias=bias, route_scale=2.5)
+    rel = check_gate(x, gw, k, ex, fmt, 10.0, sh, out, w, ids, bias, 2.5)
+    print(f"V4-Flash fused gate {fmt} T={T}: relative error vs exact reference {rel:.4f}")
+
+
+def test_moe_gate_experts_off_is_the_unfused_ops(monkeypatch):
+    monkeypatch.setattr(M, "GATE_FUSED_MAX_T", 0)
+    T, d, I, E, k = 4, 256, 128, 16, 2
+    g = torch.Generator(device=DEV).manual_seed(5)
+    ex, sh = make_experts(E, I, d, "fp8", seed=E, shared=True)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    gw = torch.randn(E, d, device=DEV, generator=g) * d ** -0.5
+    out, w, ids = run_gate(x, gw, k, ex, "fp8", 7.0, sh)
+    w2, ids2 = ops.moe_route(torch.nn.functional.linear(x.float(), gw), k)
+    assert torch.equal(ids, ids2) and torch.equal(w, w2)
+    assert torch.equal(out, run_kernel(x, ids2, w2, ex, "fp8", 7.0, sh))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_moe_gate_experts_deterministic_and_graph_capturable(fmt, path, gate_fused):
+    T, d, I, E, k = 24, 512, 256, 64, 6
+    g = torch.Generator(device=DEV).manual_seed(4)
+    ex, sh = make_experts(E, I, d, fmt, seed=4, shared=True)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    gw = torch.randn(E, d, device=DEV, generator=g) * d ** -0.5
+    bias = torch.randn(E, device=DEV, generator=g) * 0.1
+    first = run_gate(x, gw, k, ex, fmt, 5.0, sh, bias=bias)
+    again = run_gate(x, gw, k, ex, fmt, 5.0, sh, bias=bias)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_gate(x, gw, k, ex, fmt, 5.0, sh, bias=bias)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run_gate(x, gw, k, ex, fmt, 5.0, sh, bias=bias)
+    x2 = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    x.copy_(x2)
+    for t in y:
+        t.fill_(-1 if t.dtype == torch.int64 else float("nan"))
+    graph.replay()
+    expect = run_gate(x2, gw, k, ex, fmt, 5.0, sh, bias=bias)
+    for a, b in zip(y, expect):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.sanitize
+def test_moe_gate_sanitize_small(gate_fused):
+    for fmt, T, E, k, hashed in (("fp8", 1, 16, 2, False), ("mxfp4", 9, 64, 6, True), ("fp8", 40, 256, 6, False)):
+        g = torch.Generator(device=DEV).manual_seed(T)
+        ex, sh = make_experts(E, 256, 256, fmt, seed=T, shared=True)
+        x = torch.randn(T, 256, device=DEV, generator=g).to(torch.bfloat16)
+        gw = torch.randn(E, 256, device=DEV, generator=g) * 0.0625
+        hid = torch.randint(-1, E + 1, (T, k), device=DEV, generator=g) if hashed else None
+        out, w, ids = run_gate(x, gw, k, ex, fmt, 6.0, sh, bias=torch.randn(E, device=DEV, generator=g),
+                               hash_ids=hid)
+        assert torch.isfinite(out).all() and torch.isfinite(w).all()
+    torch.cuda.synchronize()

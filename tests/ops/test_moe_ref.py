@@ -237,3 +237,59 @@ def test_moe_launchers_reject_mixed_devices_and_small_workspace():
     r = _route_args(device="cuda", logits=torch.arange(32.0, device="cuda").view(4, 8))
     _ext._C.moe_route(**r)
     assert torch.equal(r["ids"].sort(-1).values, torch.tensor([[6, 7]] * 4, device="cuda"))
+
+
+def test_moe_gate_experts_is_router_then_experts():
+    x, _, _, w1, w3, w2 = _dense(seed=3)
+    g = torch.Generator().manual_seed(7)
+    gw, bias = torch.randn(6, 32, generator=g), torch.randn(6, generator=g) * 0.1
+    out, w, ids = moe.moe_gate_experts(x, gw, 2, w1, w3, w2, bias=bias, route_scale=1.5, score_func="sigmoid",
+                                       limit=0.8)
+    w_r, ids_r = ops.moe_route(torch.nn.functional.linear(x, gw), 2, bias=bias, route_scale=1.5, score_func="sigmoid")
+    assert torch.equal(ids, ids_r) and torch.equal(w, w_r)
+    torch.testing.assert_close(out, ops.moe_experts(x, ids_r, w_r, w1, w3, w2, limit=0.8), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"moe_gate_experts: gate_weight must have shape \[6, 32\]"):
+        moe.moe_gate_experts(x, gw[:, :16], 2, w1, w3, w2)
+    with pytest.raises(ValueError, match=r"moe_gate_experts: w1 must be \[5, ...\]"):
+        moe.moe_gate_experts(x, gw[:5], 2, w1, w3, w2)
+
+
+def _gate_args(fmt="fp8", **change):
+    a = _launch_args(fmt=fmt, shared=True)
+    del a["ids"], a["weights"]
+    T, d, E, k = 4, 256, 3, 2
+    a.update(gate_weight=torch.zeros(E, d), gate_bias=None, hash_ids=None, route_scale=1.0, score_func="sigmoid",
+             ids=torch.empty(T, k, dtype=torch.int64), weights=torch.empty(T, k))
+    a.update(change)
+    return a
+
+
+@needs_ext
+@pytest.mark.parametrize("change, match", [
+    (dict(), r"moe_gate_experts: argument 'x' must be a CUDA tensor"),
+    (dict(gate_weight=torch.zeros(3, 128)), r"argument 'gate_weight' must have shape \[3, 256\]"),
+    (dict(gate_weight=torch.zeros(3, 256, dtype=torch.bfloat16)), r"argument 'gate_weight' must be float32"),
+    (dict(gate_bias=torch.zeros(4)), r"argument 'gate_bias' must have shape \[3\]"),
+    (dict(ids=torch.empty(4, 2, dtype=torch.int32)), r"argument 'ids' must be int64"),
+    (dict(weights=torch.empty(4, 4)), r"argument 'weights' must have k in \[1, min\(32, E\)\]"),
+    (dict(hash_ids=torch.zeros(4, 3, dtype=torch.int32)), r"argument 'hash_ids' must have shape \[4, 2\]"),
+    (dict(score_func="relu"), r"argument 'score_func' must be sqrtsoftplus, sigmoid or softmax"),
+    (dict(x=torch.zeros(257, 256, dtype=torch.bfloat16)), r"argument 'x' must have at most 256 rows"),
+])
+def test_moe_gate_experts_launcher_rejects(change, match):
+    with pytest.raises(ValueError, match=match):
+        _ext._C.moe_gate_experts(**_gate_args(**change))
+
+
+@needs_ext
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_moe_gate_kernel_path_passes_the_launcher_checks(monkeypatch, fmt):
+    monkeypatch.setattr(_ext, "ext", lambda device: _ext._C)
+    monkeypatch.setattr(moe, "GATE_FUSED_MAX_T", 256)
+    monkeypatch.setattr(moe, "kernels_off_reason", lambda: None)
+    a = _gate_args(fmt=fmt)
+    sh = tuple(a.get("shared_" + n) for n in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"))
+    with pytest.raises(ValueError, match="moe_gate_experts: argument 'x' must be a CUDA tensor"):
+        moe._moe_gate_experts.kernels["cuda"](a["x"], a["gate_weight"], torch.zeros(3), 2, 1.0, "sigmoid", None,
+                                              a["w1"], a["w3"], a["w2"], a["w1_scale"], a["w3_scale"], a["w2_scale"],
+                                              fmt, 0.5, *sh)

@@ -65,6 +65,11 @@ PREFILL_MIN_T = 257
 # pipelines 1.3-1.5x (bf16 grouped_mm), 0.8x / 1.6-1.7x (fp8 scaled_grouped_mm, T = 512 / >= 4096) (docs/notes/moe.md,
 # "MXFP4 experts on the prefill path").
 PREFILL_MXFP4_MIN_T = 257
+# moe_gate_experts on CUDA: T up to this (<= 256; 0: off) runs the router fused into moe_experts (csrc/moe:
+# the logits GEMV in one launch, route + plan in one CTA after it, ids / weights written by the kernels): the
+# x.float() copy, the cuBLAS GEMV, moe_route and the plan launch become two launches. Above it (or off):
+# F.linear(x.float(), gate_weight), moe_route, moe_experts (what the model ran before).
+GATE_FUSED_MAX_T = 0
 
 
 def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -268,6 +273,119 @@ def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3, sh_w2, 
     return torch.empty_like(x)
 
 
+def moe_gate_experts_ref(x, gate_weight, bias, k: int, route_scale: float, score_func: str, hash_ids, w1, w3, w2,
+                         s1, s3, s2, fmt: str, limit: float, shared=None):
+    """Router + experts: logits = x gate_weight^T in fp32, moe_route_ref, moe_experts_ref."""
+    logits = F.linear(x.float(), gate_weight.float())
+    w, ids = moe_route_ref(logits, bias, k, route_scale, score_func, hash_ids)
+    return moe_experts_ref(x, ids, w, w1, w3, w2, s1, s3, s2, fmt, limit, shared), w, ids
+
+
+@op("moe_gate_experts")
+def _moe_gate_experts(x: torch.Tensor, gate_weight: torch.Tensor, bias: Optional[torch.Tensor], k: int,
+                      route_scale: float, score_func: str, hash_ids: Optional[torch.Tensor], w1: torch.Tensor,
+                      w3: torch.Tensor, w2: torch.Tensor, s1: Optional[torch.Tensor], s3: Optional[torch.Tensor],
+                      s2: Optional[torch.Tensor], fmt: str, limit: float, sh_w1: Optional[torch.Tensor],
+                      sh_w3: Optional[torch.Tensor], sh_w2: Optional[torch.Tensor], sh_s1: Optional[torch.Tensor],
+                      sh_s3: Optional[torch.Tensor],
+                      sh_s2: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    shared = None if sh_w1 is None else (sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2)
+    return moe_gate_experts_ref(x, gate_weight, bias, k, route_scale, score_func, hash_ids, w1, w3, w2, s1, s3, s2,
+                                fmt, limit, shared)
+
+
+def gate_fused_gap(x, gate_weight, k: int, w1, s1, s3, s2, fmt: str, shared) -> Optional[str]:
+    """Why the fused router cannot serve this call on CUDA (None: it can)."""
+    T, d = x.shape
+    E = w1.shape[0]
+    if T > min(int(GATE_FUSED_MAX_T), 256):
+        return f"T = {T} > GATE_FUSED_MAX_T"
+    if gate_weight.dtype != torch.float32:
+        return "the gate weight is not fp32"
+    return (route_gap(E, k) or experts_gap(d, x.dtype, w1, s1, s3, s2, fmt) or shared_gap(w1.shape[1], shared)
+            or (None if activation_quant() else "activation quantisation is off"))
+
+
+@_moe_gate_experts.register_kernel("cuda")
+def _(x, gate_weight, bias, k, route_scale, score_func, hash_ids, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3,
+      sh_w2, sh_s1, sh_s3, sh_s2):
+    shared = None if sh_w1 is None else (sh_w1, sh_w3, sh_w2, sh_s1, sh_s3, sh_s2)
+    why = kernels_off_reason() or gate_fused_gap(x, gate_weight, k, w1, s1, s3, s2, fmt, shared)
+    if why is not None:  # the unfused ops (each with its own kernel or policy)
+        logits = F.linear(x.float(), gate_weight.float())
+        w, ids = torch.ops.deepfuse.moe_route(logits, bias, k, float(route_scale), score_func, hash_ids)
+        out = torch.ops.deepfuse.moe_experts(x, ids, w, w1, w3, w2, s1, s3, s2, fmt, float(limit), sh_w1, sh_w3,
+                                             sh_w2, sh_s1, sh_s3, sh_s2)
+        return out, w, ids
+    T, d = x.shape
+    E, I = w1.shape[0], w1.shape[1]
+    sh = {}
+    if shared is not None:
+        sh = dict(shared_w1=sh_w1, shared_w1_scale=sh_s1, shared_w3=sh_w3, shared_w3_scale=sh_s3, shared_w2=sh_w2,
+                  shared_w2_scale=sh_s2)
+    C = _ext.ext(x.device)
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    w = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    if T:
+        work = torch.empty(C.moe_workspace_bytes(T=T, d=d, inter=I, E=E, k=k, shared=shared is not None),
+                           dtype=torch.uint8, device=x.device)
+        C.moe_gate_experts(x=xc, gate_weight=gate_weight.contiguous(),
+                           gate_bias=None if bias is None else bias.float().contiguous(),
+                           hash_ids=None if hash_ids is None else hash_ids.contiguous(),
+                           route_scale=float(route_scale), score_func=score_func, ids=ids, weights=w,
+                           w1=w1.contiguous(), w1_scale=s1.contiguous(), w3=w3.contiguous(), w3_scale=s3.contiguous(),
+                           w2=w2.contiguous(), w2_scale=s2.contiguous(), out=out, workspace=work, limit=float(limit),
+                           stream_max_t=int(STREAM_MAX_T) if T >= STREAM_MIN_T.get(fmt, 1) else 0,
+                           prefill_min_t=0, **{n: t.contiguous() for n, t in sh.items()})
+    return out, w, ids
+
+
+@_moe_gate_experts.register_fake
+def _(x, gate_weight, bias, k, route_scale, score_func, hash_ids, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3,
+      sh_w2, sh_s1, sh_s3, sh_s2):
+    T = x.shape[0]
+    return (torch.empty_like(x), x.new_empty(T, k, dtype=torch.float32), x.new_empty(T, k, dtype=torch.int64))
+
+
+def _check_experts(op, x, w1, w3, w2, s1, s3, s2, fmt, shared):
+    d = x.shape[1]
+    check_choice(op, "fmt", fmt, ("dense", "fp8", "mxfp4"))
+    if w1.dim() != 3:
+        raise ValueError(f"deepfuse: {op}: w1 must be [E, I, {'d/2' if fmt == 'mxfp4' else 'd'}], got {list(w1.shape)}")
+    E, I = w1.shape[0], w1.shape[1]
+    if E < 1:
+        raise ValueError(f"deepfuse: {op}: w1 has no experts (shape {list(w1.shape)})")
+    for name, w, s, (N, K) in (("w1", w1, s1, (I, d)), ("w3", w3, s3, (I, d)), ("w2", w2, s2, (d, I))):
+        if w.dim() != 3 or w.shape[0] != E:
+            raise ValueError(f"deepfuse: {op}: {name} must be [{E}, ...], got {list(w.shape)}")
+        check_weight(op, w[0], None if s is None else s[0], fmt, N, K, name=f"{name}[e]")
+        if s is not None and fmt != "dense" and s.shape[0] != E:
+            raise ValueError(f"deepfuse: {op}: {name} scale must have {E} experts, got {list(s.shape)}")
+        if w.device != x.device:
+            raise ValueError(f"deepfuse: {op}: {name} is on {w.device}, x on {x.device}")
+
+
+def _shared_args(op, x, shared):
+    """shared (w1, w3, w2, s1, s3, s2) checked -> the six op arguments (scales None when dense)."""
+    d = x.shape[1]
+    sh = (None,) * 6
+    if shared is not None:
+        if len(shared) != 6:
+            raise ValueError(f"deepfuse: {op}: shared must be (w1, w3, w2, s1, s3, s2), got {len(shared)} items")
+        sw1, sw3, sw2, ss1, ss3, ss2 = shared
+        Is = sw1.shape[0] if sw1.dim() == 2 else -1
+        sfmt = _weight_fmt(sw1)
+        for name, w, s, (N, K) in (("shared w1", sw1, ss1, (Is, d)), ("shared w3", sw3, ss3, (Is, d)),
+                                   ("shared w2", sw2, ss2, (d, Is))):
+            check_weight(op, w, s if sfmt == "fp8" else None, sfmt, N, K, name=name)
+            if w.device != x.device:
+                raise ValueError(f"deepfuse: {op}: {name} is on {w.device}, x on {x.device}")
+        sh = (sw1, sw3, sw2) + ((ss1, ss3, ss2) if sfmt == "fp8" else (None, None, None))
+    return sh
+
+
 # ----------------------------------------------------------------------------- public API
 def moe_route(logits: torch.Tensor, k: int, *, bias: Optional[torch.Tensor] = None, route_scale: float = 1.0,
               score_func: str = "sqrtsoftplus", hash_ids: Optional[torch.Tensor] = None):
@@ -307,32 +425,36 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     k = ids.shape[1]
     check_tensor(op, "ids", ids, shape=(T, k))
     check_tensor(op, "weights", weights, dtypes=_FLOATS, shape=(T, k), device=x.device)
-    check_choice(op, "fmt", fmt, ("dense", "fp8", "mxfp4"))
-    if w1.dim() != 3:
-        raise ValueError(f"deepfuse: {op}: w1 must be [E, I, {'d/2' if fmt == 'mxfp4' else 'd'}], got {list(w1.shape)}")
-    E, I = w1.shape[0], w1.shape[1]
-    if E < 1:
-        raise ValueError(f"deepfuse: {op}: w1 has no experts (shape {list(w1.shape)})")
-    for name, w, s, (N, K) in (("w1", w1, s1, (I, d)), ("w3", w3, s3, (I, d)), ("w2", w2, s2, (d, I))):
-        if w.dim() != 3 or w.shape[0] != E:
-            raise ValueError(f"deepfuse: {op}: {name} must be [{E}, ...], got {list(w.shape)}")
-        check_weight(op, w[0], None if s is None else s[0], fmt, N, K, name=f"{name}[e]")
-        if s is not None and fmt != "dense" and s.shape[0] != E:
-            raise ValueError(f"deepfuse: {op}: {name} scale must have {E} experts, got {list(s.shape)}")
-        if w.device != x.device:
-            raise ValueError(f"deepfuse: {op}: {name} is on {w.device}, x on {x.device}")
+    _check_experts(op, x, w1, w3, w2, s1, s3, s2, fmt, shared)
     scales = (s1, s3, s2) if fmt != "dense" else (None, None, None)
-    sh = (None,) * 6
-    if shared is not None:
-        if len(shared) != 6:
-            raise ValueError(f"deepfuse: {op}: shared must be (w1, w3, w2, s1, s3, s2), got {len(shared)} items")
-        sw1, sw3, sw2, ss1, ss3, ss2 = shared
-        Is = sw1.shape[0] if sw1.dim() == 2 else -1
-        sfmt = _weight_fmt(sw1)
-        for name, w, s, (N, K) in (("shared w1", sw1, ss1, (Is, d)), ("shared w3", sw3, ss3, (Is, d)),
-                                   ("shared w2", sw2, ss2, (d, Is))):
-            check_weight(op, w, s if sfmt == "fp8" else None, sfmt, N, K, name=name)
-            if w.device != x.device:
-                raise ValueError(f"deepfuse: {op}: {name} is on {w.device}, x on {x.device}")
-        sh = (sw1, sw3, sw2) + ((ss1, ss3, ss2) if sfmt == "fp8" else (None, None, None))
+    sh = _shared_args(op, x, shared)
     return torch.ops.deepfuse.moe_experts(x, ids, weights, w1, w3, w2, *scales, fmt, float(limit), *sh)
+
+
+def moe_gate_experts(x: torch.Tensor, gate_weight: torch.Tensor, k: int, w1: torch.Tensor, w3: torch.Tensor,
+                     w2: torch.Tensor, *, bias: Optional[torch.Tensor] = None, route_scale: float = 1.0,
+                     score_func: str = "sqrtsoftplus", hash_ids: Optional[torch.Tensor] = None, s1=None, s3=None,
+                     s2=None, fmt: str = "dense", limit: float = 0.0, shared: Optional[tuple] = None):
+    """Router + routed experts: logits = x gate_weight^T (fp32, gate_weight [E, d]), then moe_route
+    (k, bias, route_scale, score_func, hash_ids) and moe_experts (the same arguments as there)
+    -> (out [T, d] of x's dtype, weights fp32 [T, k], ids int64 [T, k]). On CUDA at T <=
+    GATE_FUSED_MAX_T the router runs fused into the experts' launches."""
+    op = "moe_gate_experts"
+    check_tensor(op, "x", x, dtypes=_FLOATS, ndim=2)
+    T, d = x.shape
+    check_tensor(op, "gate_weight", gate_weight, dtypes=_FLOATS, ndim=2, device=x.device)
+    E = gate_weight.shape[0]
+    check_tensor(op, "gate_weight", gate_weight, shape=(E, d))
+    check_int(op, "k", k, lo=1, hi=E)
+    check_choice(op, "score_func", score_func, SCORE_FUNCS)
+    if bias is not None:
+        check_tensor(op, "bias", bias, dtypes=_FLOATS, shape=(E,), device=x.device)
+    if hash_ids is not None:
+        check_tensor(op, "hash_ids", hash_ids, dtypes=(torch.int32, torch.int64), shape=(T, k), device=x.device)
+    if w1.dim() != 3 or w1.shape[0] != E:
+        raise ValueError(f"deepfuse: {op}: w1 must be [{E}, ...] (the gate's experts), got {list(w1.shape)}")
+    _check_experts(op, x, w1, w3, w2, s1, s3, s2, fmt, shared)
+    scales = (s1, s3, s2) if fmt != "dense" else (None, None, None)
+    sh = _shared_args(op, x, shared)
+    return torch.ops.deepfuse.moe_gate_experts(x, gate_weight, bias, k, float(route_scale), score_func, hash_ids, w1,
+                                               w3, w2, *scales, fmt, float(limit), *sh)
