@@ -135,6 +135,9 @@ STREAM_GROUPED = False
 # producer warp, two math warpgroups, 128-row weight tiles, split-K partials reduced in split order)
 # where it serves the shape; False: the streaming / grouped kernels as above.
 PERSIST_FP8 = False
+# Dense mxfp4 M <= 32 through the same structure (e2m1 decoded to e4m3 by a decode warpgroup into a
+# second shared-memory ring, weights on wgmma's M side, per-32 group promotion); False: as above.
+PERSIST_MX = False
 PERSIST_SPLITS = 0  # its K splits: 0 the plan's choice (fewest chunks per SM), else at most this many
 
 
@@ -196,7 +199,7 @@ def _fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torc
     """Our kernel: x [M, K] -> out [M, N], or x [M, G, Kg] -> out [M, G, R] (block-diagonal w)."""
     C = _ext.ext(x.device)
     fmt = "fp8" if w.dtype == torch.float8_e4m3fn else "mxfp4"
-    persist = PERSIST_FP8 and fmt == "fp8" and x.dim() == 2
+    persist = (PERSIST_FP8 if fmt == "fp8" else PERSIST_MX) and x.dim() == 2
     work = torch.empty(C.fp8_linear_workspace_bytes(x=x, w=w, w_scale=scale, persist=persist,
                                                     persist_splits=PERSIST_SPLITS), dtype=torch.uint8, device=x.device)
     stream = fmt in STREAM_FMTS and not (fmt == "fp8" and x.shape[0] < STREAM_MIN_M_FP8)
