@@ -246,16 +246,17 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
   uint64_t* sfull = empty + S;  // mxfp4 scale slots
   uint64_t* sempty = sfull + 2;
   const int tid = threadIdx.x;
-  const int64_t total = static_cast<int64_t>(*a.ntasks) * a.ntiles;
-  const int64_t j0 = total * blockIdx.x / gridDim.x, j1 = total * (blockIdx.x + 1) / gridDim.x;
-  if (j0 >= j1) return;  // the whole CTA
   // Programmatic dependent launch (both GEMMs are launched with it): GEMM1 waits for the plan
-  // (and x) before anything, then lets GEMM2 launch; GEMM2's producer streams weights at once
-  // (the plan it reads finished before GEMM1 passed its wait) and its consumers wait for h.
+  // (and x) before anything, its task count included (the plan kernel may trigger its dependents
+  // early), then lets GEMM2 launch; GEMM2's producer streams weights at once (the plan it reads
+  // finished before GEMM1 passed its wait) and its consumers wait for h.
   if (SWIGLU) {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }
+  const int64_t total = static_cast<int64_t>(*a.ntasks) * a.ntiles;
+  const int64_t j0 = total * blockIdx.x / gridDim.x, j1 = total * (blockIdx.x + 1) / gridDim.x;
+  if (j0 >= j1) return;  // the whole CTA
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       tma::mbar_init(tma::smem_u32(full + s), 1);
