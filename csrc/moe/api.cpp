@@ -105,7 +105,7 @@ void run_experts(const char* op, const TensorArg& x, const TensorArg& ids, const
                  double limit, const TensorArg& shared_w1, const TensorArg& shared_w1_scale,
                  const TensorArg& shared_w3, const TensorArg& shared_w3_scale, const TensorArg& shared_w2,
                  const TensorArg& shared_w2_scale, int64_t stream_max_t, int64_t prefill_min_t,
-                 const MoeGate* gate, std::initializer_list<Named> more) {
+                 int64_t stream_balance_max_t, const MoeGate* gate, std::initializer_list<Named> more) {
   if (stream_max_t < 0) arg_error(op, "stream_max_t", "must be >= 0 (got " + std::to_string(stream_max_t) + ")");
   if (prefill_min_t < 0) arg_error(op, "prefill_min_t", "must be >= 0 (got " + std::to_string(prefill_min_t) + ")");
   const int64_t T = x.size(0), d = x.size(1);
@@ -122,6 +122,7 @@ void run_experts(const char* op, const TensorArg& x, const TensorArg& ids, const
   p.T = static_cast<int>(T), p.d = static_cast<int>(d), p.inter = static_cast<int>(inter);
   p.E = static_cast<int>(E), p.k = static_cast<int>(k), p.fmt = fmt, p.limit = static_cast<float>(limit);
   p.stream_max_t = static_cast<int>(std::min<int64_t>(stream_max_t, 256));
+  p.stream_balance_max_t = static_cast<int>(std::clamp<int64_t>(stream_balance_max_t, 0, 256));
   p.prefill_min_t = static_cast<int>(std::min<int64_t>(prefill_min_t, 1LL << 30));
   p.w1 = expert_weight(op, "w1", w1, "w1_scale", w1_scale, fmt, E, inter, d);
   p.w3 = expert_weight(op, "w3", w3, "w3_scale", w3_scale, fmt, E, inter, d);
@@ -170,7 +171,7 @@ void moe_experts(const TensorArg& x, const TensorArg& ids, const TensorArg& weig
                  const TensorArg& w2_scale, const TensorArg& out, const TensorArg& workspace, double limit,
                  const TensorArg& shared_w1, const TensorArg& shared_w1_scale, const TensorArg& shared_w3,
                  const TensorArg& shared_w3_scale, const TensorArg& shared_w2, const TensorArg& shared_w2_scale,
-                 int64_t stream_max_t, int64_t prefill_min_t) {
+                 int64_t stream_max_t, int64_t prefill_min_t, int64_t stream_balance_max_t) {
   const char* op = "moe_experts";
   Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).dim(2).contiguous().aligned(16);
   const int64_t T = x.size(0), d = x.size(1);
@@ -181,7 +182,7 @@ void moe_experts(const TensorArg& x, const TensorArg& ids, const TensorArg& weig
   Check(op, "weights", weights).dtype(DType::kF32).shape({T, k}).contiguous();
   run_experts(op, x, ids, weights, k, w1, w1_scale, w3, w3_scale, w2, w2_scale, out, workspace, limit, shared_w1,
               shared_w1_scale, shared_w3, shared_w3_scale, shared_w2, shared_w2_scale, stream_max_t, prefill_min_t,
-              nullptr, {});
+              stream_balance_max_t, nullptr, {});
 }
 
 // The router fused in (T <= 256): gate_weight fp32 [E, d] (E = the experts' count, <= 1024), gate_bias fp32 [E]
@@ -194,7 +195,8 @@ void moe_gate_experts(const TensorArg& x, const TensorArg& gate_weight, const Te
                       const TensorArg& w2_scale, const TensorArg& out, const TensorArg& workspace, double limit,
                       const TensorArg& shared_w1, const TensorArg& shared_w1_scale, const TensorArg& shared_w3,
                       const TensorArg& shared_w3_scale, const TensorArg& shared_w2,
-                      const TensorArg& shared_w2_scale, int64_t stream_max_t, int64_t prefill_min_t) {
+                      const TensorArg& shared_w2_scale, int64_t stream_max_t, int64_t prefill_min_t,
+                      int64_t stream_balance_max_t) {
   const char* op = "moe_gate_experts";
   const ScoreFunc score = score_func_of(op, score_func);
   Check(op, "x", x).dtype({DType::kBF16, DType::kF32}).dim(2).contiguous().aligned(16);
@@ -218,7 +220,7 @@ void moe_gate_experts(const TensorArg& x, const TensorArg& gate_weight, const Te
   g.score = score, g.route_scale = static_cast<float>(route_scale);
   run_experts(op, x, ids, weights, k, w1, w1_scale, w3, w3_scale, w2, w2_scale, out, workspace, limit, shared_w1,
               shared_w1_scale, shared_w3, shared_w3_scale, shared_w2, shared_w2_scale, stream_max_t, prefill_min_t,
-              &g, {Named{"gate_weight", gate_weight}, Named{"gate_bias", gate_bias}, Named{"hash_ids", hash_ids}});
+              stream_balance_max_t, &g, {Named{"gate_weight", gate_weight}, Named{"gate_bias", gate_bias}, Named{"hash_ids", hash_ids}});
 }
 
 // Dense FP8 linears at large M through the prefill kernel (csrc/moe/moe_prefill.cu): x [M, K] bf16 / fp32
@@ -292,6 +294,7 @@ void register_moe(py::module_& m) {
         py::arg("shared_w1_scale") = py::none(), py::arg("shared_w3") = py::none(),
         py::arg("shared_w3_scale") = py::none(), py::arg("shared_w2") = py::none(),
         py::arg("shared_w2_scale") = py::none(), py::arg("stream_max_t") = 0, py::arg("prefill_min_t") = 0,
+        py::arg("stream_balance_max_t") = 0,
         "routed fp8 / mxfp4 experts (+ an fp8 shared expert) of x [T, d] -> out [T, d]; T <= stream_max_t "
         "(<= 256): the streaming decode kernels (0: the grouped kernels); T > 256 and T >= prefill_min_t (> 0): "
         "the prefill kernels (fp8 and mxfp4)");
@@ -302,7 +305,7 @@ void register_moe(py::module_& m) {
         py::arg("shared_w1") = py::none(), py::arg("shared_w1_scale") = py::none(),
         py::arg("shared_w3") = py::none(), py::arg("shared_w3_scale") = py::none(),
         py::arg("shared_w2") = py::none(), py::arg("shared_w2_scale") = py::none(), py::arg("stream_max_t") = 0,
-        py::arg("prefill_min_t") = 0,
+        py::arg("prefill_min_t") = 0, py::arg("stream_balance_max_t") = 0,
         "moe_experts with the router fused in (T <= 256): logits x gate_weight^T (fp32), route (moe_route's "
         "semantics) and plan in two launches -> ids int64 [T, k], weights fp32 [T, k] and out [T, d]");
   m.def("fp8_linear_prefill_workspace_bytes", &api::fp8_linear_prefill_workspace_bytes, py::kw_only(), py::arg("M"),

@@ -33,6 +33,7 @@ struct MoeProblem {
   ExpertWeight sw1, sw3, sw2;
   float limit = 0.0f;       // SwiGLU clamp (<= 0: none)
   int stream_max_t = 0;     // T up to this (<= 256): the streaming decode kernels (moe_stream.cu)
+  int stream_balance_max_t = 0;  // ... and up to this, equal stage ranges per CTA (tiles split between two CTAs)
   int prefill_min_t = 0;    // T from this on (> 256; 0: never): the prefill kernels (moe_prefill.cu), fp8 or mxfp4
 };
 

@@ -33,6 +33,7 @@ constexpr int kMaxExperts = 2 * kPlanThreads - 1;  // E + 1 scan slots
 constexpr int kSmallPlan = 16384;                    // pairs planned in one CTA
 constexpr int kRouteFloats = 24576;                  // fused gate: routing warps' scratch (floats)
 constexpr int kRouteSmem = kRouteFloats * 4;
+constexpr int kStreamBoundaries = 192;               // decode: the stream kernels' grids are at most this
 
 // decode: 64 weight rows x 16 tokens, all CTAs of a T = 1 step resident at once (two 128-K
 // chunks per stage measured slower: 148 vs 119 us at T = 1);
@@ -55,6 +56,8 @@ struct PlanArgs {
   int* rows;                    // [P] token of each position
   float* wrow;                  // [P] routing weight of each position
   int* inv;                     // [P] position of each pair, -1 if dropped
+  int* bcnt;                    // [nbcnt] the stream kernels' boundary counters, zeroed here (or null)
+  int nbcnt;
 };
 
 __device__ __forceinline__ int pair_expert(const PlanArgs& a, int q, int& t, float& w) {
@@ -106,6 +109,7 @@ __device__ void plan_scan(const PlanArgs& a, const int* cnt, int* base) {
 __device__ __forceinline__ void plan_small(const PlanArgs& a, int* cnt, int* base) {
   const int P = a.T * a.ktot;
   for (int e = threadIdx.x; e < a.nexp; e += kPlanThreads) cnt[e] = 0;
+  for (int b = threadIdx.x; b < a.nbcnt; b += kPlanThreads) a.bcnt[b] = 0;
   __syncthreads();
   for (int q = threadIdx.x; q < P; q += kPlanThreads) {
     int t;
@@ -249,6 +253,9 @@ __global__ void combine_kernel(const float* __restrict__ Y, const int* __restric
 struct Workspace {
   int *counts, *cursor, *tasks, *ntasks, *rows, *inv;
   float *wrow, *logits;
+  int* bcnt;            // decode: the stream kernels' boundary counters [2][nbd] and partial sums
+  float* bpart;
+  int nbd;
   uint8_t *xq, *hq;
   float *xs, *hs, *Y;
   __nv_bfloat16* h;
@@ -282,6 +289,9 @@ Workspace carve(const MoeProblem& p, void* base) {
   w.inv = reinterpret_cast<int*>(take(4 * P));
   w.wrow = reinterpret_cast<float*>(take(4 * P));
   w.logits = reinterpret_cast<float*>(take(p.T <= kGateMaxT ? 4LL * p.T * p.E : 0));  // the fused gate's
+  w.nbd = BM == kDecodeBT ? kStreamBoundaries : 0;
+  w.bcnt = reinterpret_cast<int*>(take(8LL * w.nbd));
+  w.bpart = reinterpret_cast<float*>(take(4 * moe_stream_part_floats(w.nbd)));
   w.xq = reinterpret_cast<uint8_t*>(take(static_cast<int64_t>(p.T) * p.d));
   w.xs = reinterpret_cast<float*>(take(4LL * p.T * ceil_div(p.d, 128)));
   w.h = reinterpret_cast<__nv_bfloat16*>(take(2 * P * p.inter));
@@ -354,7 +364,7 @@ void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* id
   const int64_t U = P / BM + std::min<int64_t>(nexp, P) + 1;
 
   PlanArgs pa{ids, ids_is64, weights, p.T, p.k, ktot, p.E, nexp, BM, w.counts, w.cursor,
-              w.tasks, w.ntasks, w.rows, w.wrow, w.inv};
+              w.tasks, w.ntasks, w.rows, w.wrow, w.inv, w.bcnt, 2 * w.nbd};
   if (gate != nullptr) {  // ids (int64) / weights are the router's outputs
     if (p.T > kGateMaxT || P > kSmallPlan || p.E > 1024 || p.k > 32)
       throw std::runtime_error("deepfuse: moe_experts: the fused gate takes T <= 256, E <= 1024, k <= 32");
@@ -380,7 +390,7 @@ void moe_experts(const MoeProblem& p, const void* x, bool x_bf16, const void* id
     plan_place_kernel<<<blocks, 256, 0, stream>>>(pa);
     check_launch("plan_place_kernel");
   }
-  const MoeStreamIO io{x, x_bf16, w.rows, w.tasks, w.ntasks, U, w.h, w.Y, w.wrow};
+  const MoeStreamIO io{x, x_bf16, w.rows, w.tasks, w.ntasks, U, w.h, w.Y, w.wrow, w.bcnt, w.bpart, w.nbd};
   if (BM == kDecodeBT && p.T <= p.stream_max_t && moe_stream_gemms(p, io, stream)) {
     // the decode path: both casts fused into the streaming GEMMs
   } else if (BM == kPrefillBT && p.prefill_min_t > 0 && p.T >= p.prefill_min_t && w.xp != nullptr &&

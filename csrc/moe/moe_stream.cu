@@ -80,10 +80,14 @@ struct Args {
   void* out;              // GEMM1: h bf16 [P, N]; GEMM2: fp32 [P, N]
   const float* row_weight;
   float limit;
+  int sh_tasks;           // the shared expert's tasks (the last ones of the plan; mxfp4: fp8 tiles of KB stages)
+  bool balance;           // equal stage ranges per CTA (tiles split between two CTAs), else whole tiles
+  int* bcnt;              // balance: arrivals per CTA boundary (zeroed by the plan kernel)
+  float* bpart;           // balance: [boundary][2 sides][kConsumers][kBT / 2] partial accumulators
 };
 
 struct Layout {
-  int ring, x, xs, ws, sc, ss, xch, bar, total;
+  int ring, x, xs, ws, sc, ss, xch, flag, bar, total;
 };
 
 // mxfp4 scale slot row stride (bytes): K/32 plus a pad that spreads a warp's eight rows over the banks
@@ -106,6 +110,8 @@ __host__ __device__ inline Layout layout(bool mx, int K, int stages) {
   off += mx ? 2 * 128 * L.ss : 0;  // mxfp4: two slots of a tile's 128 rows of UE8M0 group scales
   L.xch = off;
   off += 2 * 64 * 8 * 4;  // per warpgroup: the up half's accumulators
+  L.flag = off;
+  off += 16;  // balance: the boundary counter's old value
   off = (off + 7) & ~7;
   L.bar = off;
   off += 2 * stages * 8 + (mx ? 4 * 8 : 0);  // full, empty per stage; mxfp4: full, empty per scale slot
@@ -227,6 +233,9 @@ __device__ __forceinline__ void mx_promote(float (&acc)[kBT / 2], float (&p)[4][
     }
 }
 
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
@@ -254,9 +263,40 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   }
-  const int64_t total = static_cast<int64_t>(*a.ntasks) * a.ntiles;
-  const int64_t j0 = total * blockIdx.x / gridDim.x, j1 = total * (blockIdx.x + 1) / gridDim.x;
-  if (j0 >= j1) return;  // the whole CTA
+  const int KB = a.KB;
+  // The work: stages (task, tile, u) in task order; routed mxfp4 tiles have nR = ceil(KB / 2) stages,
+  // fp8 tiles (and the shared expert's, the last sh_tasks tasks) nF = KB. This CTA takes stages
+  // [s0, s1): whole tiles, or (balance) an equal share, a tile then split between two CTAs.
+  const int ntk = *a.ntasks, nF = KB, nR = MX ? (KB + 1) / 2 : KB;
+  const int Rt = MX ? max(0, ntk - a.sh_tasks) : ntk;
+  const int64_t stR = static_cast<int64_t>(Rt) * a.ntiles * nR;
+  const int64_t total = stR + static_cast<int64_t>(ntk - Rt) * a.ntiles * nF;
+  int64_t s0, s1;
+  if (a.balance) {  // ranges of >= nmax stages: a tile meets at most two CTAs
+    const int nmax = ntk > Rt ? max(nR, nF) : nR;
+    const int64_t G = max64(1, min64(gridDim.x, total / nmax));
+    if (blockIdx.x >= G) return;  // the whole CTA
+    s0 = total * blockIdx.x / G, s1 = total * (blockIdx.x + 1) / G;
+  } else {
+    const int64_t tiles = static_cast<int64_t>(ntk) * a.ntiles;
+    const int64_t j0 = tiles * blockIdx.x / gridDim.x, j1 = tiles * (blockIdx.x + 1) / gridDim.x;
+    auto first_stage = [&](int64_t j) {
+      return j < static_cast<int64_t>(Rt) * a.ntiles ? j * nR : stR + (j - static_cast<int64_t>(Rt) * a.ntiles) * nF;
+    };
+    s0 = first_stage(j0), s1 = first_stage(j1);
+  }
+  if (s0 >= s1) return;  // the whole CTA
+  // stage s -> task, tile t, stage u of the tile, n stages per tile
+  auto locate = [&](int64_t s, int& task, int& t, int& u, int& n) {
+    int64_t q = s;
+    n = nR;
+    int tb = 0;
+    if (s >= stR) q = s - stR, n = nF, tb = Rt;
+    const int64_t per = static_cast<int64_t>(a.ntiles) * n;
+    task = tb + static_cast<int>(q / per);
+    const int r = static_cast<int>(q - (task - tb) * per);
+    t = r / n, u = r - t * n;
+  };
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       tma::mbar_init(tma::smem_u32(full + s), 1);
@@ -272,9 +312,6 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
   }
   __syncthreads();
 
-  const int KB = a.KB;
-  // stages per tile (fp8: one chunk each; mxfp4: two) and the tile's first stage
-  auto nst = [&](bool f8) { return f8 ? KB : (KB + 1) / 2; };
   auto rot_of = [&](int e, int t, int n) { return (t * 5 + e * 11) % n; };
 
   if (tid >= kConsumers) {  // producer warp
@@ -283,13 +320,16 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
       if (tid >= kConsumers + 32) return;
     }
     const int lane = tid & 31;
-    int i = 0;
-    for (int64_t j = j0; j < j1; ++j) {
-      const int task = static_cast<int>(j / a.ntiles), t = static_cast<int>(j % a.ntiles);
+    int i = 0, jj = 0;  // ring stages, pieces (a tile or the part of a split tile that is this CTA's)
+    for (int64_t s = s0; s < s1; ++jj) {
+      int task, t, u0, n;
+      locate(s, task, t, u0, n);
+      const int u1 = static_cast<int>(min64(n, u0 + (s1 - s)));
+      s += u1 - u0;
       const int e = a.tasks[task * 3];
       const bool sh = e == a.E, f8 = !MX || sh;
-      if (MX) {  // the tile's group scales into slot jj & 1 (every tile takes a slot; fp8 tiles leave it empty)
-        const int jj = static_cast<int>(j - j0), slot = jj & 1;
+      if (MX) {  // the tile's group scales into slot jj & 1 (every piece takes a slot; fp8 tiles leave it empty)
+        const int slot = jj & 1;
         if (jj >= 2) tma::mbar_wait(tma::smem_u32(sempty + slot), ((jj >> 1) - 1) & 1);
         if (!f8) {
           const int KWB = a.K / 32;  // bytes per row; each lane copies rows lane, lane + 32, ..
@@ -311,11 +351,11 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
         cp_async_mbar_arrive(tma::smem_u32(sfull + slot));
       }
       if (lane == 0) {  // one thread issues every stage
-        const int n = nst(f8), rot = rot_of(e, t, n);
+        const int rot = rot_of(e, t, n);
         const CUtensorMap* m0 = sh ? &maps.s0 : &maps.w0;
         const CUtensorMap* m1 = sh ? &maps.s1 : &maps.w1;
         const int rb = sh ? 0 : e * a.N;
-        for (int u = 0; u < n; ++u, ++i) {
+        for (int u = u0; u < u1; ++u, ++i) {
           const int st = i % S;
           if (i >= S) tma::mbar_wait(tma::smem_u32(empty + st), ((i / S) - 1) & 1);
           const int c0 = ((u + rot) % n) * 128;  // bytes: one fp8 chunk or two packed mxfp4 chunks
@@ -349,10 +389,14 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
   const int NB = (a.N + 127) / 128;
 
   if (!SWIGLU) asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  int cur = -1, r0 = 0, r1 = 0, i = 0;
+  int cur = -1, r0 = 0, r1 = 0, i = 0, jj = 0;
+  int* sflag = reinterpret_cast<int*>(base + L.flag);
   float acc[R];
-  for (int64_t j = j0; j < j1; ++j) {
-    const int task = static_cast<int>(j / a.ntiles), t = static_cast<int>(j % a.ntiles);
+  for (int64_t s = s0; s < s1; ++jj) {
+    int task, t, u0, n;
+    locate(s, task, t, u0, n);
+    const int u1 = static_cast<int>(min64(n, u0 + (s1 - s)));
+    s += u1 - u0;
     const int e = a.tasks[task * 3];
     const bool sh = e == a.E, f8 = !MX || sh;
     if (task != cur) {  // the task's activations (both warpgroups are past their last wgmma on x)
@@ -378,9 +422,9 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
     }
 #pragma unroll
     for (int c = 0; c < R; ++c) acc[c] = 0.0f;
-    const int n = nst(f8), rot = rot_of(e, t, n);
+    const int rot = rot_of(e, t, n);
     if (f8) {
-      for (int u = 0; u < n; ++u, ++i) {
+      for (int u = u0; u < u1; ++u, ++i) {
         const int st = i % S, ku = (u + rot) % n;
         const char* stage = base + L.ring + st * kStage;
         tma::mbar_wait(tma::smem_u32(full + st), (i / S) & 1);
@@ -406,7 +450,7 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
       }
     }
     if (MX) {
-      const int jj = static_cast<int>(j - j0), slot = jj & 1;
+      const int slot = jj & 1;
       tma::mbar_wait(tma::smem_u32(sfull + slot), (jj >> 1) & 1);
       if (!f8) {
         // this thread's rows of the stage: Ra = 64 wg + rg and Ra + 8 (both have row & 7 == g)
@@ -425,7 +469,7 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
           mx_promote(acc, p0, spa0, spb0, sXS, kcp, t4);
           if (kcp + 1 < KB) mx_promote(acc, p1, spa1, spb1, sXS, kcp + 1, t4);
         };
-        int st = i % S, ph = (i / S) & 1, ku = rot;  // ring slot, its phase, the stage's chunk pair
+        int st = i % S, ph = (i / S) & 1, ku = (u0 + rot) % n;  // ring slot, its phase, the stage's chunk pair
         const uint64_t dx0 = gemm::smem_desc(tma::smem_u32(sX));  // token chunk kc: + kc * kBT * 128 / 16
         auto stage = [&](float (&q0)[4][R], float (&q1)[4][R], float (&p0)[4][R], float (&p1)[4][R], bool first) {
           const char* ra = base + L.ring + st * kStage + Ra * 128 + 4 * t4;
@@ -454,12 +498,13 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
           gemm::wgmma_wait0();
         };
         stage(A0, A1, B0, B1, true);
+        const int m = u1 - u0;
         int u = 1;
-        for (; u + 1 < n; u += 2) {
+        for (; u + 1 < m; u += 2) {
           stage(B0, B1, A0, A1, false);
           stage(A0, A1, B0, B1, false);
         }
-        if (u < n) {
+        if (u < m) {
           stage(B0, B1, A0, A1, false);
           promote_prev(B0, B1);
         } else {
@@ -470,6 +515,31 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
       if (lane == 0) tma::mbar_arrive(tma::smem_u32(sempty + slot));
     }
 
+    // A split tile (balance): its first stages were this CTA's last piece (head) or its last stages
+    // this CTA's first piece (tail). Both sides store their partial sums, the second to arrive adds
+    // the other's (a sum of two: the same either way round) and runs the epilogue.
+    if (u0 > 0 || u1 < n) {
+      const bool head = u0 == 0;
+      const int bd = head ? blockIdx.x : blockIdx.x - 1;
+      float* side = a.bpart + static_cast<int64_t>(bd) * 2 * kConsumers * R;
+      float4* mine = reinterpret_cast<float4*>(side + ((head ? 0 : 1) * kConsumers + tid) * R);
+      const float4* other = reinterpret_cast<const float4*>(side + ((head ? 1 : 0) * kConsumers + tid) * R);
+#pragma unroll
+      for (int c = 0; c < R / 4; ++c) mine[c] = make_float4(acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]);
+      __threadfence();
+      tma::named_bar(kBarAll, kConsumers);
+      if (tid == 0) {
+        *sflag = atomicAdd(a.bcnt + bd, 1);
+        __threadfence();
+      }
+      tma::named_bar(kBarAll, kConsumers);
+      if (*sflag == 0) continue;  // the neighbour finishes the tile
+#pragma unroll
+      for (int c = 0; c < R / 4; ++c) {
+        const float4 o = __ldcg(other + c);
+        acc[4 * c] += o.x, acc[4 * c + 1] += o.y, acc[4 * c + 2] += o.z, acc[4 * c + 3] += o.w;
+      }
+    }
     // epilogue: thread rows rg (acc[4 c8 + b]) and rg + 8 (acc[4 c8 + 2 + b]), tokens c8 * 8 + 2 t4 + b
     if (SWIGLU) {
       if (up_rows) {
@@ -552,6 +622,8 @@ bool encode_pair(const MoeProblem& p, const ExpertWeight& w, const ExpertWeight&
 
 }  // namespace
 
+int64_t moe_stream_part_floats(int nbd) { return 2LL * nbd * 2 * kConsumers * (kBT / 2); }
+
 bool moe_stream_gemms(const MoeProblem& p, const MoeStreamIO& io, cudaStream_t stream) {
   const bool mx = p.fmt == WeightFmt::kMxfp4;
   // K of either GEMM must hold the 128-byte boxes (fp8: K >= 128; mxfp4 packs two chunks)
@@ -564,7 +636,7 @@ bool moe_stream_gemms(const MoeProblem& p, const MoeStreamIO& io, cudaStream_t s
       !encode_pair(p, p.w2, p.sw2, p.d, p.inter, 128, m2.w0, m2.s0))
     return false;
   m2.w1 = m2.w0, m2.s1 = m2.s0;
-  const int sms = num_sms();
+  const int sms = std::min(num_sms(), io.nbd > 0 ? io.nbd : num_sms());  // balance: a boundary slot per CTA
   // mxfp4 group scales: rows of K/32 bytes copied 16 (or 4) bytes at a time need that alignment
   auto aligned = [&](int a, int K) {
     return (K / 32) % a == 0 && reinterpret_cast<uintptr_t>(p.w1.scale) % a == 0 &&
@@ -579,6 +651,9 @@ bool moe_stream_gemms(const MoeProblem& p, const MoeStreamIO& io, cudaStream_t s
   a1.sc16 = mx && aligned(16, p.d);
   a1.tasks = io.tasks, a1.ntasks = io.ntasks, a1.ntiles = ceil_div(p.inter, 64), a1.stages = st1;
   a1.out = io.h, a1.limit = p.limit;
+  const bool balance = p.T <= p.stream_balance_max_t && io.bcnt != nullptr;
+  const int sh_tasks = p.has_shared ? ceil_div(p.T, kBT) : 0;
+  a1.sh_tasks = sh_tasks, a1.balance = balance, a1.bcnt = io.bcnt, a1.bpart = io.bpart;
   const int g1 = static_cast<int>(std::min<int64_t>(sms, io.U * a1.ntiles));
   if (mx) {
     if (io.x_bf16) launch<true, true, __nv_bfloat16>(a1, m1, g1, stream);
@@ -595,6 +670,8 @@ bool moe_stream_gemms(const MoeProblem& p, const MoeStreamIO& io, cudaStream_t s
   a2.sc16 = mx && aligned(16, p.inter);
   a2.tasks = io.tasks, a2.ntasks = io.ntasks, a2.ntiles = ceil_div(p.d, 128), a2.stages = st2;
   a2.out = io.Y, a2.row_weight = io.wrow;
+  a2.sh_tasks = sh_tasks, a2.balance = balance;
+  a2.bcnt = io.bcnt + (balance ? io.nbd : 0), a2.bpart = io.bpart + (balance ? moe_stream_part_floats(io.nbd) / 2 : 0);
   const int g2 = static_cast<int>(std::min<int64_t>(sms, io.U * a2.ntiles));
   if (mx) launch<true, false, __nv_bfloat16>(a2, m2, g2, stream);
   else launch<false, false, __nv_bfloat16>(a2, m2, g2, stream);

@@ -20,7 +20,13 @@ struct MoeStreamIO {
   __nv_bfloat16* h;         // [P, inter]
   float* Y;                 // [P, d]
   const float* wrow;        // [P] routing weight of each position
+  int* bcnt;                // balanced partition: [2][nbd] arrivals per CTA boundary, zeroed by the plan (or null)
+  float* bpart;             // balanced partition: moe_stream_part_floats(nbd) floats of partial sums
+  int nbd;                  // CTA boundaries per GEMM (>= the grid)
 };
+
+// Floats of partial sums both GEMMs' balanced partitions need for nbd CTA boundaries.
+int64_t moe_stream_part_floats(int nbd);
 
 // GEMM1 (w1 | w3, SwiGLU -> h) and GEMM2 (w2 x routing weight -> Y) for a plan cut into tasks
 // of <= 16 rows. false: the shapes are not served (nothing launched); the caller runs the

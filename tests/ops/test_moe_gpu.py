@@ -103,14 +103,17 @@ def routing(T, E, k, kind, g):
     return ids, torch.rand(T, k, device=DEV, generator=g) + 0.1
 
 
-@pytest.fixture(params=["stream", "grouped"])
+@pytest.fixture(params=["stream", "balanced", "grouped"])
 def path(request, monkeypatch):
     """moe_experts' default paths ("stream": T <= 256 the streaming kernels (moe_stream.cu), fp8
-    from T = 257 the prefill kernels (moe_prefill.cu), mxfp4 too while ops.moe.PREFILL_MXFP4_MIN_T is on) or
+    from T = 257 the prefill kernels (moe_prefill.cu), mxfp4 too while ops.moe.PREFILL_MXFP4_MIN_T is on;
+    "balanced": the same with the streaming kernels' equal stage ranges per CTA (STREAM_BALANCE_MAX_T)) or
     the grouped kernels at every T ("grouped": PREFILL_MIN_T = 0 turns both formats' prefill kernels off)."""
-    monkeypatch.setattr(M, "STREAM_MAX_T", 256 if request.param == "stream" else 0)
+    grouped = request.param == "grouped"
+    monkeypatch.setattr(M, "STREAM_MAX_T", 0 if grouped else 256)
     monkeypatch.setattr(M, "STREAM_MIN_T", {})
-    monkeypatch.setattr(M, "PREFILL_MIN_T", 257 if request.param == "stream" else 0)
+    monkeypatch.setattr(M, "PREFILL_MIN_T", 0 if grouped else 257)
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", 256 if request.param == "balanced" else 0)
     return request.param
 
 
@@ -199,7 +202,7 @@ def test_moe_experts_fp8_tails_and_fp32_x(T, d, I, path):
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 64, 16384])
 def test_moe_experts_v4_flash_shape(fmt, T, path):
-    if T > 256 and path == "grouped":
+    if T > 256 and path != "stream":
         pytest.skip("T > 256: the default path only (grouped kernels: the other cases)")
     E, d, I, k = 256, 4096, 2048, 6
     g = torch.Generator(device=DEV).manual_seed(T)
@@ -243,9 +246,11 @@ def test_moe_experts_deterministic_and_graph_capturable(fmt, path):
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("T,E,k,kind", [(200, 64, 6, "random"), (256, 16, 4, "few"), (97, 8, 2, "dropped")])
-def test_moe_experts_stream_many_tasks(fmt, T, E, k, kind):
+@pytest.mark.parametrize("bal", [0, 256])
+def test_moe_experts_stream_many_tasks(fmt, T, E, k, kind, bal, monkeypatch):
     """The streaming decode kernels where CTAs' tile ranges cross many tasks (and the shared
-    expert's tasks), against the emulation; bitwise equal on a second call."""
+    expert's tasks), against the emulation; bitwise equal on a second call. bal: STREAM_BALANCE_MAX_T."""
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", bal)
     g = torch.Generator(device=DEV).manual_seed(T + E)
     ex, sh = make_experts(E, 256, 512, fmt, seed=E, shared=True)
     x = torch.randn(T, 512, device=DEV, generator=g).to(torch.bfloat16)
@@ -259,10 +264,13 @@ def test_moe_experts_stream_many_tasks(fmt, T, E, k, kind):
 
 @pytest.mark.parametrize("T,d,I,kind,shared", [(1, 384, 640, "random", True), (13, 640, 384, "one", False),
                                                  (37, 384, 256, "few", True), (256, 1024, 512, "random", False)])
-def test_moe_experts_stream_mxfp4_shapes(T, d, I, kind, shared):
+@pytest.mark.parametrize("bal", [0, 256])
+def test_moe_experts_stream_mxfp4_shapes(T, d, I, kind, shared, bal, monkeypatch):
     """mxfp4 decode kernels: K / 128 odd (the last stage holds one chunk), group scales copied 4
     (K / 32 % 16 != 0) or 16 bytes at a time, skewed routings; against the emulation, bitwise equal
-    on a second call."""
+    on a second call. bal: STREAM_BALANCE_MAX_T."""
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", bal)
+    monkeypatch.setattr(M, "STREAM_MIN_T", {})
     E, k = 16, 4
     g = torch.Generator(device=DEV).manual_seed(T + d)
     ex, sh = make_experts(E, I, d, "mxfp4", seed=d + I, shared=shared, spread=11 if T == 13 else 0)
@@ -370,8 +378,8 @@ def test_moe_sanitize_small():
     M.STREAM_MIN_T = {}
     for fmt, spread, T in (("fp8", 0, 1), ("mxfp4", 0, 2), ("mxfp4", 40, 2), ("fp8", 0, 300), ("mxfp4", 0, 300),
                            ("fp8", 0, 40), ("mxfp4", 40, 40)):
-        for smt in (0, 256):  # T > 256: 0 = the grouped kernels, 256 = the default (fp8: prefill kernels)
-            M.STREAM_MAX_T = smt
+        for smt, bal in ((0, 0), (256, 0), (256, 256)):  # T > 256: 0 = the grouped kernels, 256 = the default
+            M.STREAM_MAX_T, M.STREAM_BALANCE_MAX_T = smt, bal
             M.PREFILL_MIN_T = 0 if smt == 0 else keep[2]
             g = torch.Generator(device=DEV).manual_seed(T)
             ex, sh = make_experts(4, 256, 256, fmt, seed=T, shared=True, spread=spread)
@@ -386,7 +394,7 @@ def test_moe_sanitize_small():
         x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
         ids, w = routing(T, 4, 2, "dropped", g)
         assert torch.isfinite(run_kernel(x, ids, w, ex, "mxfp4", 6.0, sh)).all()
-    M.STREAM_MAX_T, M.STREAM_MIN_T = keep[:2]
+    M.STREAM_MAX_T, M.STREAM_MIN_T, M.STREAM_BALANCE_MAX_T = keep[0], keep[1], 0
     M.PREFILL_MIN_T = 257  # the fp8 prefill kernels: one hot expert, dropped ids, fp32 x
     for T, kind, dt in ((300, "dropped", torch.bfloat16), (520, "one", torch.bfloat16), (290, "few", torch.float32)):
         g = torch.Generator(device=DEV).manual_seed(T)
@@ -543,7 +551,8 @@ def test_moe_gate_experts_deterministic_and_graph_capturable(fmt, path, gate_fus
 
 
 @pytest.mark.sanitize
-def test_moe_gate_sanitize_small(gate_fused):
+def test_moe_gate_sanitize_small(gate_fused, monkeypatch):
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", 256)
     for fmt, T, E, k, hashed in (("fp8", 1, 16, 2, False), ("mxfp4", 9, 64, 6, True), ("fp8", 40, 256, 6, False)):
         g = torch.Generator(device=DEV).manual_seed(T)
         ex, sh = make_experts(E, 256, 256, fmt, seed=T, shared=True)
@@ -554,3 +563,38 @@ def test_moe_gate_sanitize_small(gate_fused):
                                hash_ids=hid)
         assert torch.isfinite(out).all() and torch.isfinite(w).all()
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 2, 8])
+def test_moe_experts_balanced_split_tiles(fmt, T, monkeypatch):
+    """Equal stage ranges per CTA (tiles split between two CTAs, partial sums added by the second to
+    finish) at V4-Flash-like widths with few tasks: within rounding of the whole-tile partition (only the
+    sum order of split tiles differs), bitwise equal on repeats and in a graph replay."""
+    monkeypatch.setattr(M, "STREAM_MIN_T", {})
+    E, d, I, k = 64, 2048, 1024, 6
+    g = torch.Generator(device=DEV).manual_seed(T + 77)
+    ex, sh = make_experts(E, I, d, fmt, seed=77, shared=True)
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    ids, w = routing(T, E, k, "random", g)
+    whole = run_kernel(x, ids, w, ex, fmt, 8.0, sh)
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", 256)
+    out = run_kernel(x, ids, w, ex, fmt, 8.0, sh)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), whole.float(), rtol=2e-2, atol=2e-2 * whole.float().abs().max().item())
+    assert torch.equal(out, run_kernel(x, ids, w, ex, fmt, 8.0, sh))
+    ref = M.moe_experts_ref(x.float(), ids, w, *(ex[n][0] for n in ("w1", "w3", "w2")),
+                            *(ex[n][1] for n in ("w1", "w3", "w2")), fmt, 8.0, sh)
+    check(out, emulated(x, ids, w, ex, fmt, 8.0, sh), ref)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_kernel(x, ids, w, ex, fmt, 8.0, sh)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        y = run_kernel(x, ids, w, ex, fmt, 8.0, sh)
+    y.fill_(float("nan"))
+    graph.replay()
+    graph.replay()  # the boundary counters start from zero on every replay (the plan zeroes them)
+    assert torch.equal(y, out)
