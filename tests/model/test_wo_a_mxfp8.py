@@ -1,4 +1,4 @@
-"""wo_a reading the attention's MXFP8 output (models/attention.py WO_A_MXFP8, DEEPFUSE_WO_A_MXFP8=1):
+"""wo_a reading the attention's MXFP8 output (models/attention.py WO_A_MXFP8; on CUDA by default):
 decode steps of the engine against the same steps with bf16 attention output. The MXFP8 rounding of
 the attention output (e4m3, one UE8M0 scale per 32 values: <= 2^-4 relative per element) is the
 only difference; prefill steps (more than STREAM_MAX_M rows) must stay identical. A wrong layout (groups,

@@ -22,9 +22,10 @@ store fused: ops.norm_rope_store), the compressors add the
 rows of the blocks the step completes, the indexer picks CSA rows, then one
 ops.sparse_attention_paged call reads the window and the compressed rows with the inverse
 RoPE applied to its output; the last window rows of each request go to its ring after it.
-With DEEPFUSE_WO_A_MXFP8=1 (off: not yet timed against the bf16 output) steps of at most
-ops.linear.STREAM_MAX_M rows with an fp8 / mxfp4 wo_a take the attention output as MXFP8 (its
-epilogue quantises) and wo_a reads it directly (ops.grouped_linear_mx); longer steps keep bf16.
+On CUDA, steps of at most ops.linear.STREAM_MAX_M rows with an fp8 / mxfp4 wo_a take the
+attention output as MXFP8 (its epilogue quantises) and wo_a reads it directly
+(ops.grouped_linear_mx: no bf16 round trip, no cast); longer steps keep bf16. The CPU path keeps
+bf16 (its references do not round activations). DEEPFUSE_WO_A_MXFP8=0 / 1: never / also on the CPU.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ from .linear import Linear, add_slot
 from .norm import RMSNorm
 from .rope import RopeTable
 
-WO_A_MXFP8 = os.environ.get("DEEPFUSE_WO_A_MXFP8", "0") == "1"
+_WO_A_ENV = os.environ.get("DEEPFUSE_WO_A_MXFP8")
+WO_A_MXFP8 = None if _WO_A_ENV is None else _WO_A_ENV == "1"  # None: on CUDA only
 
 
 class AttentionProjections(nn.Module):
@@ -140,7 +142,8 @@ class Attention(AttentionProjections):
                 extra = dict(extra_indices=plan.entry_slots[ctx.token_req].contiguous(), extra_lengths=plan.n_vis)
             if extra:
                 extra.update(extra_kv=cache.comp, extra_page_size=cache.page_size)
-        mx = WO_A_MXFP8 and self.wo_a.fmt in ("fp8", "mxfp4") and x.shape[0] <= ops.linear.STREAM_MAX_M
+        mx = (x.is_cuda if WO_A_MXFP8 is None else WO_A_MXFP8) and self.wo_a.fmt in ("fp8", "mxfp4") \
+            and x.shape[0] <= ops.linear.STREAM_MAX_M
         o, _ = ops.sparse_attention_paged(q, cache.ring, cache.ring_page_size, win.win_idx, self.attn_sink,
                                           self.head_dim ** -0.5, inv_rope=(cos, sin),
                                           out_format="mxfp8" if mx else "bf16", **extra)
