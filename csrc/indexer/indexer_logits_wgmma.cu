@@ -2,7 +2,8 @@
 //
 // One CTA (one warpgroup, 128 threads) per (group of G consecutive tokens, run of 64-entry key
 // tiles). The keys of a tile (64 rows of 128 e4m3) are gathered from their pages with cp.async
-// straight into a 128-byte-swizzled tile (4 stages, slot indices prefetched one tile ahead), the
+// straight into a 128-byte-swizzled tile (4 stages, slot indices prefetched one tile ahead; H 64
+// single-token CTAs whose entries are whole pages in order: one TMA box per tile instead), the
 // A operand of wgmma m64nNk32 e4m3 (M = the 64 entries, K = the 128 dims). q of the group's
 // tokens is quantised once per CTA into B tiles: per (token, head) a power-of-two scale s
 // (amax / s in [128, 256)), x = q / s, hi = e4m3(x) and, with two terms, lo = e4m3(16 (x - hi))
@@ -21,6 +22,7 @@
 
 #include "common/arch.h"
 #include "common/cuda_utils.h"
+#include "gemm/tma_sm90.cuh"
 #include "gemm/wgmma_e4m3.cuh"
 #include "indexer/indexer.h"
 
@@ -43,10 +45,14 @@ constexpr int kPrefillG = 4;          // DEEPFUSE_INDEXER_PREFILL_G (2 / 4): tok
 constexpr int kDecodeG = 0;           // DEEPFUSE_INDEXER_DECODE_G (1-4; 0 auto): tokens per CTA at most, decode
 constexpr int kDecodeG2Jobs = 192;    //   auto: groups of 4 split in two below this many (group, tile) jobs per SM
 constexpr int kStagesSingle = 4;      // DEEPFUSE_INDEXER_STAGES (4 / 5 / 6): key stages, one-token CTAs
-constexpr int kRowGather = 2;         // DEEPFUSE_INDEXER_GATHER (0 / 1 / 2): the key gather's thread mapping
+// H 64 single-token CTAs (decode next_n 1): whole-page key tiles by TMA, else the gather of 4 whole rows
+// per copy instruction (kCopyTma | kCopyLines); off: kTma = 0, kGather = 2 (the sector-pair gather)
+constexpr int kTma = 1;               // DEEPFUSE_INDEXER_TMA (0 / 1)
+constexpr int kGather = 3;            // DEEPFUSE_INDEXER_GATHER (2 / 3)
 constexpr int kQK2 = 1;               // DEEPFUSE_INDEXER_QK2 (0 / 1): exact q's two terms along K (H 64)
-constexpr int kL2Hint = 1;            // DEEPFUSE_INDEXER_L2HINT (0 / 1 / 2): L2 prefetch of the key copies
 constexpr int kSplitWait = 0;         // DEEPFUSE_INDEXER_SPLIT (0 / 1): groups of 4 as two chains, split waits
+constexpr int kMaxCtas = 0;           // DEEPFUSE_INDEXER_CTAS (0; 1-8): CTAs per SM at most (padded shared memory)
+constexpr int kWaves = 4;             // DEEPFUSE_INDEXER_WAVES (1-16): waves of resident CTAs the grid aims at
 // DEEPFUSE_INDEXER_PROBE (0-7, default 0): timing-only kernel variants (kProbe* below).
 
 struct WArgs {
@@ -64,11 +70,21 @@ struct WArgs {
   float* out;
   int64_t N;
   int tiles_per_cta;  // launch(): the cap in, the CTA's tile count out
-  int row_gather;  // the gather's thread mapping (rows_pass); DEEPFUSE_INDEXER_GATHER
+  int copy;        // the key copies' scheme (kCopy* bits; the kernels take it as their CP argument)
   int probe;       // DEEPFUSE_INDEXER_PROBE (timing only, wrong scores): kProbe* bits
-  int l2_hint;     // DEEPFUSE_INDEXER_L2HINT: 0 none, 1 / 2 the key copies prefetch 128 / 256 bytes into L2
   int split_wait;  // DEEPFUSE_INDEXER_SPLIT: groups of 4 as two chains of 2 tokens, both issued, waited one by one
+  int max_ctas;    // launch(): CTAs per SM at most (0: as many as fit; DEEPFUSE_INDEXER_CTAS)
+  int waves;       // launch(): the grid's waves of resident CTAs (DEEPFUSE_INDEXER_WAVES)
+  int tma_ok;      // kCopyTma: the key tensor map is valid (a page size that is a multiple of 64)
 };
+
+// Key copy schemes (rows_pass; bits of the CP template argument, fixed at compile time so that no
+// kernel carries a runtime choice in its copy code): 0 a row's chunks per two threads (the kernels
+// of groups of 2-4 tokens and of H 32), kCopyLines 4 whole rows per copy instruction
+// (DEEPFUSE_INDEXER_GATHER=3), kCopyTma whole-page tiles by TMA when a CTA's entries allow, else
+// the gather (DEEPFUSE_INDEXER_TMA=1). The H 64 single-token kernels exist with each combination.
+constexpr int kCopyLines = 1;
+constexpr int kCopyTma = 4;
 
 // Measurement probes (DEEPFUSE_INDEXER_PROBE, a kernel variant of its own: the default kernels do
 // not carry them): parts of the tile loop switched off to time what is left. Scores are wrong.
@@ -77,17 +93,10 @@ constexpr int kProbeNoMma = 2;     // no wgmma: the head sums run on zeros
 constexpr int kProbeNoGather = 4;  // no key copies: the tiles keep what shared memory holds
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-}
-// the same with an L2 prefetch of the 128- / 256-byte block around src (DEEPFUSE_INDEXER_L2HINT 1 / 2)
-__device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, bool ok, int hint) {
-  if (hint == 1)
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-  else if (hint == 2)
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-  else
-    cp_async16(dst, src, ok);
+// 16 bytes src -> shared dst (zero fill unless ok) with an L2 prefetch of the 128-byte line around
+// src (the key copies; 1-2.4% faster than without at decode, H200 2026-12-03; 256 bytes: no gain)
+__device__ __forceinline__ void cp_async16_l2(uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
@@ -154,16 +163,22 @@ struct Layout {
   static constexpr int kQ = S * kTileBytes;
   static constexpr int kScale = kQ + G * kQBytes;
   static constexpr int kW = kScale + S * kTile * 4;
-  static constexpr int kBytes = kW + G * H * 4;
+  static constexpr int kBar = (kW + G * H * 4 + 7) / 8 * 8;  // S mbarriers (kCopyTma)
+  static constexpr int kBytes = kBar + S * 8;
   static constexpr int kAlloc = kBytes + 1024;
+  // The kernel's register bound (__launch_bounds__ minimum CTAs per SM): as many CTAs as shared
+  // memory allows (228 KB per SM, 1 KB reserved per CTA), at most 5, so that registers never allow
+  // fewer (ptxas otherwise took 130 registers where 128 fit: 3 CTAs per SM instead of 4).
+  static constexpr int kSmemCtas = (228 * 1024) / (kAlloc + 1024);
+  static constexpr int kMinCtas = kSmemCtas < 5 ? kSmemCtas : 5;
 };
 
 // Tokens n0 .. n0 + R - 1 (all of request `req`) against entries [e_begin, e_end). Per tile, the
 // tokens run in jobs of TPJ consecutive tokens: one wgmma chain over their B tiles (contiguous:
 // N = TPJ * H * TERMS columns), then the head sums of each token from the one accumulator.
-template <int H, int TERMS, int G, int R, int S, int TPJ, bool PROBE = false, bool SW = false>
-__device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n0, int64_t req, int e_begin,
-                                          int e_end) {
+template <int H, int TERMS, int G, int R, int S, int TPJ, bool PROBE = false, bool SW = false, int CP = 0>
+__device__ __forceinline__ void rows_pass(const WArgs& a, const CUtensorMap* kmap, uint8_t* sm, int64_t n0,
+                                          int64_t req, int e_begin, int e_end) {
   using L = Layout<H, TERMS, G, S>;
   static_assert(R % TPJ == 0, "jobs of whole tokens");
   constexpr int NT = H * q_cols(TERMS), N = TPJ * NT, J = R / TPJ;  // columns per token, per job; jobs
@@ -186,28 +201,22 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   const float* ksc = reinterpret_cast<const float*>(sm + L::kScale);
   float* wq = reinterpret_cast<float*>(sm + L::kW);
 
-  // Gather, slot indices one tile ahead in registers. Row mappings (a.row_gather 1 / 2): thread tid
-  // copies 16-byte chunks of row tid >> 1 and (even threads) its scale: one slot and one page
-  // address per thread; 2 (default): chunks 2 i + (tid & 1), i < 4, so that each copy instruction
-  // of a warp reads whole 32-byte sectors (16 rows x one sector); 1: chunks 4 (tid & 1) + i (each
-  // instruction half of 32 sectors). 0: thread tid copies chunk (tid & 7) of rows (tid >> 3) + 16 k,
-  // k < 4, and (chunk-0 threads) their scales. All fill the same bytes.
-  const bool rg = a.row_gather != 0;
-  const int ch = tid & 7, row0 = tid >> 3;
-  auto fetch_slots = [&](int64_t (&s)[4], int e0) {
-    if (rg) {
-      const int e = e0 + (tid >> 1);
-      s[0] = e < live_end ? __ldg(srow + e) : -1;
-      return;
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int e = e0 + row0 + 16 * k;
-      s[k] = e < live_end ? __ldg(srow + e) : -1;
-    }
+  // Gather, slot indices one tile ahead in registers: thread tid holds the slot, page address and
+  // (even threads) the scale copy of row tid >> 1, so each warp gathers 16 rows. Copy schemes (CP):
+  // pairs (default): thread tid copies chunks 2 i + (tid & 1), i < 4, of its own row: each copy
+  // instruction of a warp reads 16 rows x one whole 32-byte sector; kCopyLines: the row addresses
+  // go round the warp by shuffle and copy instruction i reads rows 4 i .. 4 i + 3 whole (lane l:
+  // chunk l & 7 of row 4 i + (l >> 3)): 4 128-byte lines per instruction instead of 16.
+  // Every scheme fills the same bytes.
+  auto fetch_slots = [&](int64_t& s, int e0) {
+    const int e = e0 + (tid >> 1);
+    s = e < live_end ? __ldg(srow + e) : -1;
   };
-  // Row `row` of a stage from slot `slot`: chunks [c0, c0 + nc) and, with `scale`, its scale.
-  auto copy_row = [&](int stage, int row, int64_t slot, int c0, int cstep, int nc, bool scale) {
+  auto load_tile = [&](int stage, int64_t slot) {
+    if constexpr (PROBE) {
+      if (a.probe & kProbeNoGather) return;
+    }
+    const int row = tid >> 1;
     int64_t page, prow;
     if (a.page_shift >= 0) {
       page = slot >> a.page_shift;
@@ -219,31 +228,77 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     const bool ok = slot >= 0 && page < a.num_pages;
     const uint8_t* pbase = a.pages + (ok ? page * a.page_bytes : 0);
     const uint8_t* src = ok ? pbase + prow * kRow : a.pages;
+    const uint32_t kst = keys_u32 + stage * kTileBytes;
+    if constexpr (CP & kCopyLines) {
+      // bit 0 of the (16-byte aligned) row address: the row has no key (zero fill)
+      const uint64_t v = reinterpret_cast<uint64_t>(src) | (ok ? 0u : 1u);
+      const int c = lane & 7;
 #pragma unroll
-    for (int i = 0; i < nc; ++i)
-      cp_async16_hint(keys_u32 + stage * kTileBytes + swz(row, c0 + cstep * i), ok ? src + (c0 + cstep * i) * 16 : a.pages,
-                      ok, a.l2_hint);
-    if (scale)
+      for (int i = 0; i < 4; ++i) {
+        const int rl = 4 * i + (lane >> 3);
+        const uint64_t u = __shfl_sync(0xffffffffu, v, 2 * rl);
+        cp_async16_l2(kst + swz(16 * warp + rl, c), reinterpret_cast<const uint8_t*>(u & ~uint64_t(1)) + 16 * c,
+                      (u & 1) == 0);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int c = 2 * i + (tid & 1);
+        cp_async16_l2(kst + swz(row, c), src + 16 * c, ok);
+      }
+    }
+    if ((tid & 1) == 0)
       cp_async4(ks_u32 + (stage * kTile + row) * 4, ok ? pbase + int64_t(a.page_size) * kRow + prow * 4 : a.pages,
                 ok);
   };
-  auto load_tile = [&](int stage, const int64_t (&s)[4]) {
-    if constexpr (PROBE) {
-      if (a.probe & kProbeNoGather) return;
-    }
-    if (rg) {
-      if (a.row_gather == 2) copy_row(stage, tid >> 1, s[0], tid & 1, 2, 4, (tid & 1) == 0);  // sector pairs
-      else copy_row(stage, tid >> 1, s[0], 4 * (tid & 1), 1, 4, (tid & 1) == 0);
-      return;
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) copy_row(stage, row0 + 16 * k, s[k], ch, 1, 1, ch == 0);
-  };
 
   const int ntiles = (live_end - e_begin + kTile - 1) / kTile;
-  int64_t nxt[4];
-  {
-    int64_t s[S - 1][4];
+  // kCopyTma: when every live entry of the CTA's tiles is row e - t0 of the page that tile t0's
+  // first slot starts (a page size that is a multiple of 64, a.tma_ok: the engine's page-ordered
+  // lists), each tile is one TMA box of 64 rows (128-byte swizzle: the gather's layout) + one bulk
+  // copy of their 256 bytes of scales, issued by thread 0 on the stage's mbarrier; else the gather.
+  // Decided once per CTA (its slots read once, one barrier).
+  bool tma = false;
+  const uint32_t bar_u32 = smem_u32(sm + L::kBar);
+  if constexpr (CP & kCopyTma) {
+    bool ok = a.tma_ok != 0;
+    if (ok) {
+      for (int e = e_begin + tid; e < live_end; e += kThreads) {
+        const int t0 = e_begin + ((e - e_begin) & ~(kTile - 1));
+        const int64_t s0 = __ldg(srow + t0), se = __ldg(srow + e);
+        ok = s0 >= 0 && (s0 & (kTile - 1)) == 0 && (s0 >> a.page_shift) < a.num_pages && se == s0 + (e - t0);
+        if (!ok) break;
+      }
+    }
+    if (tid == 0) {
+      for (int st = 0; st < S; ++st) tma::mbar_init(bar_u32 + 8 * st, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    tma = __syncthreads_and(ok);
+  }
+  // thread 0: the tile whose first slot is s0 into stage st by TMA (kCopyTma)
+  auto tma_tile = [&](int st, int64_t s0) {
+    const int64_t page = s0 >> a.page_shift, prow = s0 & ((int64_t(1) << a.page_shift) - 1);
+    const uint32_t bar = bar_u32 + 8 * st;
+    tma::mbar_expect_tx(bar, kTileBytes + kTile * 4);
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+            keys_u32 + st * kTileBytes),
+        "l"(reinterpret_cast<uint64_t>(kmap)), "r"(0), "r"(static_cast<int>(prow)), "r"(static_cast<int>(page)), "r"(bar)
+        : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     ks_u32 + st * kTile * 4),
+                 "l"(a.pages + page * a.page_bytes + int64_t(a.page_size) * kRow + prow * 4), "r"(kTile * 4), "r"(bar)
+                 : "memory");
+  };
+  int64_t nxt = -1;
+  if (tma) {  // thread 0 holds the first slot of the next tile to copy in nxt
+    if (tid == 0) {
+      for (int st = 0; st < S - 1 && st < ntiles; ++st) tma_tile(st, __ldg(srow + e_begin + st * kTile));
+      if (S - 1 < ntiles) nxt = __ldg(srow + e_begin + (S - 1) * kTile);
+    }
+  } else {
+    int64_t s[S - 1];
 #pragma unroll
     for (int st = 0; st < S - 1; ++st)
       if (st < ntiles) fetch_slots(s[st], e_begin + st * kTile);
@@ -319,8 +374,12 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   const int r0 = 16 * warp + g, r1 = r0 + 8;
   for (int it = 0; it < ntiles; ++it) {
     const int st = it % S, e0 = e_begin + it * kTile;
-    cp_wait<S - 2>();
-    fence_proxy_async();
+    if (tma) {
+      tma::mbar_wait(bar_u32 + 8 * st, (it / S) & 1);
+    } else {
+      cp_wait<S - 2>();
+      fence_proxy_async();
+    }
     __syncthreads();
     const uint32_t ka = keys_u32 + st * kTileBytes;
     // SW: the chains of all J jobs issued at once into J accumulators, each waited for before its
@@ -347,11 +406,18 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
     }
     static_assert(TERMS == 3 || L::kQBytes == NT * kRow, "a job's B tiles are contiguous");
     // refill the stage freed by tile it - 1 while the wgmmas run
-    if (it + S - 1 < ntiles) {
-      load_tile((it + S - 1) % S, nxt);
-      if (it + S < ntiles) fetch_slots(nxt, e0 + S * kTile);
+    if (tma) {
+      if (tid == 0 && it + S - 1 < ntiles) {
+        tma_tile((it + S - 1) % S, nxt);
+        if (it + S < ntiles) nxt = __ldg(srow + e0 + S * kTile);
+      }
+    } else {
+      if (it + S - 1 < ntiles) {
+        load_tile((it + S - 1) % S, nxt);
+        if (it + S < ntiles) fetch_slots(nxt, e0 + S * kTile);
+      }
+      cp_commit();
     }
-    cp_commit();
     const float s0 = a.scale * ksc[st * kTile + r0], s1 = a.scale * ksc[st * kTile + r1];
 #pragma unroll
     for (int k = 0; k < J; ++k) {
@@ -402,8 +468,9 @@ __device__ __forceinline__ void rows_pass(const WArgs& a, uint8_t* sm, int64_t n
   }
 }
 
-template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false, bool SW = false>
-__global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) {
+template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false, bool SW = false, int CP = 0>
+__global__ void __launch_bounds__(kThreads, (Layout<H, TERMS, G, S>::kMinCtas))
+    indexer_wgmma_kernel(const WArgs a, const __grid_constant__ CUtensorMap kmap) {
 #if DEEPFUSE_SM90A_DEVICE
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -418,11 +485,12 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
     for (int r = 1; r < G; ++r) shared = shared && (r >= rows || __ldg(a.token_req + n0 + r) == req);
   }
   if (shared) {
-    rows_pass<H, TERMS, G, G, S, TPJ, PROBE, SW>(a, sm, n0, req, e_begin, e_end);
+    rows_pass<H, TERMS, G, G, S, TPJ, PROBE, SW, CP>(a, &kmap, sm, n0, req, e_begin, e_end);
   } else {
     for (int r = 0; r < rows; ++r) {
       if (r) __syncthreads();
-      rows_pass<H, TERMS, G, 1, S, 1>(a, sm, n0 + r, __ldg(a.token_req + n0 + r), e_begin, e_end);
+      rows_pass<H, TERMS, G, 1, S, 1, false, false, CP>(a, &kmap, sm, n0 + r, __ldg(a.token_req + n0 + r), e_begin,
+                                                         e_end);
     }
   }
 #else
@@ -437,8 +505,7 @@ __global__ void __launch_bounds__(kThreads) indexer_wgmma_kernel(const WArgs a) 
 // and fewer waits, more registers); below one token's columns (e.g. 0): one token per chain.
 // Decode groups: a smaller cap than indexer_rows_per_cta's group reads each key tile once per
 // group (the other groups from L2). Stages: more tiles in flight per one-token CTA, more shared
-// memory. Gather: 2 / 1 a row per two threads (whole sectors per instruction / half sectors), 0 a
-// chunk per thread over four rows (rows_pass).
+// memory. Gather 2 / 3 and TMA: the key copy schemes (kCopy*; rows_pass).
 int env_int(const char* name, int lo, int hi, int dflt) {
   const char* v = std::getenv(name);
   const int x = v != nullptr ? std::atoi(v) : dflt;
@@ -446,7 +513,7 @@ int env_int(const char* name, int lo, int hi, int dflt) {
 }
 struct Switches {
   int chain_decode, chain_prefill, max_tiles_decode, max_tiles_prefill, prefill_g, decode_g, stages_single;
-  int row_gather, qk2, l2_hint, split_wait, probe;
+  int copy, qk2, split_wait, probe, max_ctas, waves;
   static Switches read() {
     Switches w;
     w.chain_decode = env_int("DEEPFUSE_INDEXER_CHAIN", -1, 1 << 20, kChainDecode);
@@ -458,11 +525,13 @@ struct Switches {
     w.decode_g = env_int("DEEPFUSE_INDEXER_DECODE_G", 0, 4, kDecodeG);
     const int st = env_int("DEEPFUSE_INDEXER_STAGES", 4, 6, kStagesSingle);
     w.stages_single = st;
-    w.row_gather = env_int("DEEPFUSE_INDEXER_GATHER", 0, 2, kRowGather);
+    w.copy = (env_int("DEEPFUSE_INDEXER_GATHER", 2, 3, kGather) == 3 ? kCopyLines : 0) |
+             (env_int("DEEPFUSE_INDEXER_TMA", 0, 1, kTma) ? kCopyTma : 0);
     w.qk2 = env_int("DEEPFUSE_INDEXER_QK2", 0, 1, kQK2);
-    w.l2_hint = env_int("DEEPFUSE_INDEXER_L2HINT", 0, 2, kL2Hint);
     w.split_wait = env_int("DEEPFUSE_INDEXER_SPLIT", 0, 1, kSplitWait);
     w.probe = env_int("DEEPFUSE_INDEXER_PROBE", 0, 7, 0);
+    w.max_ctas = env_int("DEEPFUSE_INDEXER_CTAS", 0, 8, kMaxCtas);
+    w.waves = env_int("DEEPFUSE_INDEXER_WAVES", 1, 16, kWaves);
     return w;
   }
   // tokens per CTA of a decode group of G (indexer_rows_per_cta) under the cap; auto (0): groups of
@@ -484,16 +553,25 @@ constexpr int chain_tokens(int G, int cols_per_token, int cols) {
   return G % 4 == 0 && 4 * cols_per_token <= cols ? 4 : G % 2 == 0 && 2 * cols_per_token <= cols ? 2 : 1;
 }
 
-template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false, bool SW = false>
-void launch(const WArgs& a, cudaStream_t stream) {
+template <int H, int TERMS, int G, int S, int TPJ, bool PROBE = false, bool SW = false, int CP = 0>
+void launch(const WArgs& a, const CUtensorMap& km, cudaStream_t stream) {
   // the probes exist for H 64 at one and four tokens per CTA with the default chain (decode's
   // next_n 1 and 4, prefill)
-  if constexpr (!PROBE && !SW && H == 64 && TERMS <= 2 && (G == 1 || G == 4) && S == kStages &&
+  if constexpr (!PROBE && !SW && CP == 0 && H == 64 && TERMS <= 2 && (G == 1 || G == 4) && S == kStages &&
                 TPJ == chain_tokens(G, H * TERMS, 256)) {
-    if (a.probe != 0) return launch<H, TERMS, G, S, TPJ, true>(a, stream);
+    if (a.probe != 0) return launch<H, TERMS, G, S, TPJ, true>(a, km, stream);
+  }
+  // the other copy schemes: H 64 single-token CTAs (q_fp8 and exact q's default mode 3)
+  if constexpr (!PROBE && !SW && CP == 0 && H == 64 && TERMS != 2 && G == 1 && S == kStages) {
+    switch (a.copy) {
+      case kCopyLines: return launch<H, TERMS, G, S, TPJ, false, false, kCopyLines>(a, km, stream);
+      case kCopyTma: return launch<H, TERMS, G, S, TPJ, false, false, kCopyTma>(a, km, stream);
+      case kCopyTma | kCopyLines: return launch<H, TERMS, G, S, TPJ, false, false, kCopyTma | kCopyLines>(a, km, stream);
+      default: break;
+    }
   }
   constexpr int smem = Layout<H, TERMS, G, S>::kAlloc;
-  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S, TPJ, PROBE, SW>;
+  auto* kern = indexer_wgmma_kernel<H, TERMS, G, S, TPJ, PROBE, SW, CP>;
   static int resident_of[64] = {};  // per device: the attribute is set once on each
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
@@ -508,55 +586,67 @@ void launch(const WArgs& a, cudaStream_t stream) {
     resident = resident > 0 ? resident : 1;
     if (dev < 64) resident_of[dev] = resident;
   }
+  int smem_launch = smem;
+  if (a.max_ctas > 0 && a.max_ctas < resident) {  // fewer CTAs per SM: shared memory padded to 1 / max_ctas
+    resident = a.max_ctas;
+    smem_launch = (228 * 1024) / resident - 1024;
+    smem_launch = smem_launch > 227 * 1024 ? 227 * 1024 : smem_launch;
+    static bool padded_of[64] = {};
+    if (dev >= 64 || !padded_of[dev]) {
+      check_cuda(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024),
+                 "cudaFuncSetAttribute");
+      if (dev < 64) padded_of[dev] = true;
+    }
+  }
   const int64_t groups = ceil_div<int64_t>(a.N, G);
   const int64_t tiles = ceil_div<int64_t>(a.C, kTile);
-  // about four waves of resident CTAs (a short last wave costs little), at most a.tiles_per_cta
+  // about a.waves (4) waves of resident CTAs (a short last wave costs little), at most a.tiles_per_cta
   // tiles per CTA (the launcher's max_tiles_per_cta; q quantisation and pipeline fill are per CTA)
-  const int64_t target = int64_t(num_sms()) * resident * 4;
+  const int64_t target = int64_t(num_sms()) * resident * a.waves;
   int per = static_cast<int>(ceil_div<int64_t>(groups * tiles, target));
   const int cap = a.tiles_per_cta;
   per = per < 1 ? 1 : per > cap ? cap : per;
   const int64_t splits = ceil_div<int64_t>(tiles, per);
   WArgs b = a;
   b.tiles_per_cta = per;
-  kern<<<dim3(static_cast<unsigned>(groups), static_cast<unsigned>(splits)), kThreads, smem, stream>>>(b);
+  kern<<<dim3(static_cast<unsigned>(groups), static_cast<unsigned>(splits)), kThreads, smem_launch, stream>>>(b, km);
   check_launch("indexer_wgmma_kernel");
 }
 
 template <int H, int TERMS, int G, int S>
-void launch_chain(const WArgs& a, int cols, cudaStream_t stream) {
+void launch_chain(const WArgs& a, const CUtensorMap& km, int cols, cudaStream_t stream) {
   constexpr int NT = H * q_cols(TERMS);
   // DEEPFUSE_INDEXER_SPLIT (H 64, q modes 1 and 3, groups of 4): two chains of two tokens, waited
   // one by one, instead of one chain of four (the same accumulator registers)
   if constexpr (G == 4 && H == 64 && TERMS != 2) {
-    if (a.split_wait && cols >= 2 * NT) return launch<H, TERMS, G, S, 2, false, true>(a, stream);
+    if (a.split_wait && cols >= 2 * NT) return launch<H, TERMS, G, S, 2, false, true>(a, km, stream);
   }
   if constexpr (G > 1) {
     if (chain_tokens(G, NT, cols) == 4) {
-      if constexpr (chain_tokens(G, NT, 256) == 4) return launch<H, TERMS, G, S, 4>(a, stream);
+      if constexpr (chain_tokens(G, NT, 256) == 4) return launch<H, TERMS, G, S, 4>(a, km, stream);
     }
     if (chain_tokens(G, NT, cols) >= 2) {
-      if constexpr (chain_tokens(G, NT, 256) >= 2) return launch<H, TERMS, G, S, 2>(a, stream);
+      if constexpr (chain_tokens(G, NT, 256) >= 2) return launch<H, TERMS, G, S, 2>(a, km, stream);
     }
   }
-  launch<H, TERMS, G, S, 1>(a, stream);
+  launch<H, TERMS, G, S, 1>(a, km, stream);
 }
 
 template <int H, int TERMS, int S>
-void launch_g(const WArgs& a, int G, int cols, int stages_single, cudaStream_t stream) {
+void launch_g(const WArgs& a, const CUtensorMap& km, int G, int cols, int stages_single, cudaStream_t stream) {
   switch (G) {
-    case 4: launch_chain<H, TERMS, 4, S>(a, cols, stream); break;
-    case 3: launch_chain<H, TERMS, 3, S>(a, cols, stream); break;
-    case 2: launch_chain<H, TERMS, 2, S>(a, cols, stream); break;
+    case 4: launch_chain<H, TERMS, 4, S>(a, km, cols, stream); break;
+    case 3: launch_chain<H, TERMS, 3, S>(a, km, cols, stream); break;
+    case 2: launch_chain<H, TERMS, 2, S>(a, km, cols, stream); break;
     default:
       switch (stages_single) {
         case 6:
-          if constexpr (TERMS <= 2) return launch<H, TERMS, 1, 6, 1>(a, stream);
+          if constexpr (TERMS <= 2) return launch<H, TERMS, 1, 6, 1>(a, km, stream);
           [[fallthrough]];
         case 5:
-          if constexpr (TERMS <= 2) return launch<H, TERMS, 1, 5, 1>(a, stream);
+          if constexpr (TERMS <= 2) return launch<H, TERMS, 1, 5, 1>(a, km, stream);
           [[fallthrough]];
-        default: launch<H, TERMS, 1, S, 1>(a, stream); break;
+        default: launch<H, TERMS, 1, S, 1>(a, km, stream); break;
       }
   }
 }
@@ -578,17 +668,33 @@ void indexer_logits_paged_wgmma(const void* q, int H, int q_terms, const float* 
   int G = indexer_rows_per_cta(N, num_reqs);
   const bool prefill = G == 4 && N >= 8 * num_reqs;
   G = prefill ? w.prefill_g : w.decode_group(G, N, C);
+  // kCopyTma's key map: 3-D over the pages (128 bytes x page_size rows x pages), boxes of 64 rows of
+  // one page, 128-byte swizzle; power-of-two page sizes of at least 64 rows only
+  CUtensorMap km{};
+  int tma_ok = 0;
+  if ((w.copy & kCopyTma) && shift >= 6 && num_pages < (int64_t(1) << 31)) {
+    const auto encode = tma::encode_tiled();
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kRow), static_cast<cuuint64_t>(page_size),
+                                static_cast<cuuint64_t>(num_pages)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kRow), static_cast<cuuint64_t>(page_bytes)};
+    const cuuint32_t box[3] = {kRow, kTile, 1}, es[3] = {1, 1, 1};
+    tma_ok = encode != nullptr &&
+             encode(&km, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(pages), dims, strides, box, es,
+                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  }
   const WArgs a{static_cast<const __nv_bfloat16*>(q), weights, pages, page_bytes, num_pages, page_size, shift,
                 entry_slots, slots_ld, token_req, n_vis, C, scale, out, N,
-                prefill ? w.max_tiles_prefill : w.max_tiles_decode, w.row_gather, w.probe, w.l2_hint, w.split_wait};
+                prefill ? w.max_tiles_prefill : w.max_tiles_decode, w.copy, w.probe, w.split_wait,
+                w.max_ctas, w.waves, tma_ok};
   const int cols = G > 1 ? (prefill ? w.chain_prefill : w.chain_decode) : 0;
   const int st = w.stages_single;
   // q mode 3 (H 64, exact q, DEEPFUSE_INDEXER_QK2): the two q terms along K instead of as columns
-  if (H == 64 && q_terms == 2 && w.qk2) launch_g<64, 3, kStages>(a, G, cols, st, stream);
-  else if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, G, cols, st, stream);
-  else if (H == 64 && q_terms == 1) launch_g<64, 1, kStages>(a, G, cols, st, stream);
-  else if (H == 32 && q_terms == 2) launch_g<32, 2, kStages>(a, G, cols, st, stream);
-  else if (H == 32 && q_terms == 1) launch_g<32, 1, kStages>(a, G, cols, st, stream);
+  if (H == 64 && q_terms == 2 && w.qk2) launch_g<64, 3, kStages>(a, km, G, cols, st, stream);
+  else if (H == 64 && q_terms == 2) launch_g<64, 2, kStages>(a, km, G, cols, st, stream);
+  else if (H == 64 && q_terms == 1) launch_g<64, 1, kStages>(a, km, G, cols, st, stream);
+  else if (H == 32 && q_terms == 2) launch_g<32, 2, kStages>(a, km, G, cols, st, stream);
+  else if (H == 32 && q_terms == 1) launch_g<32, 1, kStages>(a, km, G, cols, st, stream);
   else throw std::invalid_argument("deepfuse: indexer_logits_paged: H must be 32 or 64, q_terms 1 or 2");
 }
 

@@ -428,26 +428,7 @@ def test_indexer_qk2(case, monkeypatch):
         nv = torch.tensor([900, 901, 0, 1, 450, 451], dtype=torch.int32, device=DEV)
         _check_indexer(req, nv, 3, 901, g, ps=48, order="offset")
     else:
-        C, ps = 300, 64
-        pages = _idx_pages(C, ps, g)
-        entry = torch.arange(C, device=DEV, dtype=torch.int64)[None]
-        q = _randn(4, 64, 128, g=g).float()
-        q[0, 0] = 0.0
-        q[0, 1] *= 2.0 ** -60
-        q[0, 2] *= 2.0 ** 60
-        q[0, 3, :64] *= 2.0 ** -10
-        q[2, 5, ::3] *= 2.0 ** -7  # a third of the dims near the lo term's exact limit
-        q[1] *= 2.0 ** -100
-        q = q.to(torch.bfloat16)
-        wts = torch.rand(4, 64, generator=g, device=DEV)
-        req = torch.zeros(4, dtype=torch.int64, device=DEV)
-        nv = torch.full((4,), C, dtype=torch.int32, device=DEV)
-        out = ops.indexer_logits_paged(q, wts, pages, ps, entry, req, nv, 1.0)
-        ref = indexer_logits_paged_ref(q, wts, pages, ps, entry, req, nv, 1.0)
-        absref = _indexer_absref(q, wts, pages, ps, entry, req, 1.0)
-        assert torch.isfinite(out).all()
-        err = (out - ref).abs()
-        assert (err <= 2.0 ** -9 * absref + 1e-30).all(), f"max err / absref {(err / absref).max()}"
+        _check_extreme_q(g, (False,))
 
 
 @pytest.mark.parametrize("H,q_fp8", [(64, False), (64, True), (32, True)])
@@ -500,36 +481,63 @@ def test_indexer_stages_same_bits(H, q_fp8, monkeypatch):
             assert torch.equal(outs[0], o), f"{order}, {stages} stages: {(outs[0] != o).sum().item()} values differ"
 
 
-@pytest.mark.parametrize("H,q_fp8", [(64, False), (32, True)])
-def test_indexer_gather_mappings_same_bits(H, q_fp8, monkeypatch):
-    """The three thread mappings of the key gather (DEEPFUSE_INDEXER_GATHER 2 / 1: a row per two
-    threads, whole or half sectors per copy instruction; 0: a chunk per thread over four rows) fill
-    the same bytes: same scores, decode groups and prefill chunks, page size 48 (the division path)
-    and 64, random and page-crossing entries."""
-    g = _g(7 * H + q_fp8)
-    for ps, order in ((64, "offset"), (48, "random")):
-        C = 900
-        pages = _idx_pages(4 * C + 4 * ps + 20, ps, g)
-        for req, nv in ((torch.arange(4, device=DEV).repeat_interleave(2), None), _prefill_tokens([50, 30], C)):
-            if nv is None:
-                nv = torch.randint(0, C + 1, (req.shape[0],), generator=g, device=DEV).to(torch.int32)
-            B = int(req.max()) + 1
-            entry = _entries(pages, ps, B, C, g, order)
-            entry[:, 7] = -1
-            q = _randn(req.shape[0], H, 128, g=g)
-            w = torch.randn(req.shape[0], H, generator=g, device=DEV)
-            outs = []
-            for mapping in ("0", "1", "2"):
-                monkeypatch.setenv("DEEPFUSE_INDEXER_GATHER", mapping)
-                outs.append(ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8))
-            for o, mapping in zip(outs[1:], ("1", "2")):
-                assert torch.equal(outs[0], o), f"ps {ps}, mapping {mapping}: {(outs[0] != o).sum().item()} differ"
+_COPY_VARIANTS = ("DEEPFUSE_INDEXER_TMA=0+DEEPFUSE_INDEXER_GATHER=2", "DEEPFUSE_INDEXER_TMA=0",
+                  "DEEPFUSE_INDEXER_GATHER=2", "DEEPFUSE_INDEXER_CTAS=3", "DEEPFUSE_INDEXER_TMA=0+DEEPFUSE_INDEXER_CTAS=4",
+                  "DEEPFUSE_INDEXER_WAVES=1+DEEPFUSE_INDEXER_MAX_TILES=256",
+                  "DEEPFUSE_INDEXER_TMA=0+DEEPFUSE_INDEXER_WAVES=1+DEEPFUSE_INDEXER_MAX_TILES=256")
 
 
-def test_indexer_q_scale_edges():
-    """q rows of zeros, tiny, huge and mixed magnitudes (the per-head power-of-two scale and the
-    second term): against the reference, both modes."""
-    g = _g(5)
+def _set_envs(monkeypatch, variant):
+    for v in ("DEEPFUSE_INDEXER_GATHER", "DEEPFUSE_INDEXER_TMA", "DEEPFUSE_INDEXER_CTAS", "DEEPFUSE_INDEXER_WAVES",
+              "DEEPFUSE_INDEXER_MAX_TILES"):
+        monkeypatch.delenv(v, raising=False)
+    for kv in (x for x in variant.split("+") if x):
+        k, v = kv.split("=")
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.parametrize("q_fp8", [False, True])
+def test_indexer_copy_schemes_same_bits(q_fp8, monkeypatch):
+    """The key copy schemes of H 64 single-token CTAs fill the same bytes: the default (whole-page
+    tiles by TMA where a CTA's entries are whole pages in order, else the gather of 4 whole rows per
+    copy instruction) against TMA off (DEEPFUSE_INDEXER_TMA=0), the sector-pair gather
+    (DEEPFUSE_INDEXER_GATHER=2), fewer CTAs per SM (DEEPFUSE_INDEXER_CTAS, padded shared memory)
+    and one wave of longer CTAs (DEEPFUSE_INDEXER_WAVES, _MAX_TILES): the same scores (the default
+    checked against the reference), every element written into a NaN-poisoned out; page sizes
+    64 / 128 / 16 / 48 (the division path), page-ordered, page-crossing and random entries, -1
+    slots (TMA and gathering CTAs in one launch), ragged n_vis."""
+    from deepfuse import _ext
+
+    g = _g(11 + q_fp8)
+    C, B = 1500, 6
+    for ps, order in ((64, "paged"), (128, "paged"), (64, "offset"), (16, "paged"), (48, "random")):
+        pages = _idx_pages(B * C + B * ps + 5 * B, ps, g)
+        entry = _entries(pages, ps, B, C, g, order)
+        entry[:, 7] = -1
+        entry[2, 64:80] = -1
+        req = torch.arange(B, device=DEV)
+        nv = torch.tensor([C, 0, 1, 63, 700, 1401], dtype=torch.int32, device=DEV)
+        q = _randn(B, 64, 128, g=g)
+        w = torch.randn(B, 64, generator=g, device=DEV)
+        _set_envs(monkeypatch, "")
+        want = ops.indexer_logits_paged(q, w, pages, ps, entry, req, nv, 0.09, q_fp8=q_fp8)
+        ref = indexer_logits_paged_ref(q, w, pages, ps, entry, req, nv, 0.09, q_fp8)
+        absref = _indexer_absref(q, w, pages, ps, entry, req, 0.09)
+        vis = torch.arange(C, device=DEV)[None, :] < nv[:, None]
+        assert ((want - ref).abs()[vis] <= 2.0 ** -9 * absref[vis] + 1e-6 * ref[vis].abs().max()).all()
+        assert torch.isinf(want[~vis]).all() and (want[~vis] < 0).all()
+        for variant in _COPY_VARIANTS:
+            _set_envs(monkeypatch, variant)
+            out = torch.full_like(want, float("nan"))
+            _ext._C.indexer_logits_paged(q=q, weights=w, pages=pages, entry_slots=entry, token_req=req, n_vis=nv,
+                                         scale=0.09, q_fp8=q_fp8, out=out)
+            assert torch.equal(want, out), f"ps {ps} {order}, {variant}: {(want != out).sum().item()} differ"
+
+
+def _check_extreme_q(g, q_modes):
+    """Four tokens of one request whose q rows hold zeros, tiny, huge and mixed magnitudes (the
+    per-head power-of-two scale and the second q term) against 300 keys, in each q mode of
+    q_modes: finite scores within 2^-9 * absref of the reference."""
     C, ps = 300, 64
     pages = _idx_pages(C, ps, g)
     entry = torch.arange(C, device=DEV, dtype=torch.int64)[None]
@@ -538,18 +546,25 @@ def test_indexer_q_scale_edges():
     q[0, 1] *= 2.0 ** -60
     q[0, 2] *= 2.0 ** 60
     q[0, 3, :64] *= 2.0 ** -10  # half the dims far below the head's amax
+    q[2, 5, ::3] *= 2.0 ** -7  # a third of the dims near the exact limit of mode 3's lo term
     q[1] *= 2.0 ** -100
     q = q.to(torch.bfloat16)
     wts = torch.rand(4, 64, generator=g, device=DEV)
     req = torch.zeros(4, dtype=torch.int64, device=DEV)
     nv = torch.full((4,), C, dtype=torch.int32, device=DEV)
-    for q_fp8 in (False, True):
+    absref = _indexer_absref(q, wts, pages, ps, entry, req, 1.0)
+    for q_fp8 in q_modes:
         out = ops.indexer_logits_paged(q, wts, pages, ps, entry, req, nv, 1.0, q_fp8=q_fp8)
         ref = indexer_logits_paged_ref(q, wts, pages, ps, entry, req, nv, 1.0, q_fp8)
-        absref = _indexer_absref(q, wts, pages, ps, entry, req, 1.0)
         assert torch.isfinite(out).all()
         err = (out - ref).abs()
         assert (err <= 2.0 ** -9 * absref + 1e-30).all(), f"q_fp8 {q_fp8}: max err / absref {(err / absref).max()}"
+
+
+def test_indexer_q_scale_edges():
+    """q rows of zeros, tiny, huge and mixed magnitudes: against the reference, both modes (exact
+    q in the default mode)."""
+    _check_extreme_q(_g(5), (False, True))
 
 
 def test_indexer_graph_capture():
@@ -673,6 +688,27 @@ def test_indexer_sanitize_qk2(qk2, split, q_fp8, monkeypatch):
                                           torch.tensor(req, device=DEV),
                                           torch.tensor(nv, dtype=torch.int32, device=DEV), 0.1, q_fp8=q_fp8)
             assert sc.shape == (n, 70)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.sanitize
+@pytest.mark.parametrize("variant", _COPY_VARIANTS)
+def test_indexer_sanitize_copy(variant, monkeypatch):
+    """The key copy schemes of single-token CTAs and the padded launch (_COPY_VARIANTS): H 64 both
+    q modes, page sizes 16 and 64, page-ordered and random entries, -1 slots, ragged n_vis."""
+    _set_envs(monkeypatch, variant)
+    g = _g(95)
+    for ps in (16, 64):
+        kp = _idx_pages(3 * 300 + 3 * ps, ps, g)
+        for order in ("paged", "random"):
+            entry = _entries(kp, ps, 3, 300, g, order)
+            entry[1, 40] = -1
+            for q_fp8 in (False, True):
+                sc = ops.indexer_logits_paged(_randn(3, 64, 128, g=g), torch.rand(3, 64, device=DEV), kp, ps, entry,
+                                              torch.arange(3, device=DEV),
+                                              torch.tensor([300, 17, 290], dtype=torch.int32, device=DEV), 0.1,
+                                              q_fp8=q_fp8)
+                assert sc.shape == (3, 300)
     torch.cuda.synchronize()
 
 
