@@ -8,7 +8,7 @@ second and the fraction of the copy ceiling measured in this run, TFLOP/s, and t
 what a user would otherwise run: the reference (dequantise the weight, bf16 matmul; skipped by
 --no-ref), cuBLASLt through torch._scaled_mm with DeepSeek's block scales (fp8 only), and, at
 M <= 64, the previous path (cast + grouped GEMM kernel + split reduction: ops.linear's
-STREAM_MAX_M = 0) as x_prev (> 1: the streaming kernel is faster).
+STREAM_MAX_M = 0, PERSIST_FP8 = False) as x_prev (> 1: the default path is faster).
 """
 from __future__ import annotations
 
@@ -58,12 +58,13 @@ def main(argv=None):
                 t = H.time_fn(lambda: ops.quant_linear(x, w, s, fmt))
                 r = dict(proj=name, N=N, K=K, fmt=fmt, M=M, us=t.median_us, TBps=wbytes / t.s / 1e12,
                          frac_copy=wbytes / t.s / 1e12 / ctx.copy_tbps, TFLOPs=2 * M * N * K / t.s / 1e12)
-                if M <= L.SMALL_M and L.STREAM_MAX_M > 0:
-                    keep, L.STREAM_MAX_M = L.STREAM_MAX_M, 0
+                if M <= L.SMALL_M and (L.STREAM_MAX_M > 0 or L.PERSIST_FP8):
+                    keep = L.STREAM_MAX_M, L.PERSIST_FP8
+                    L.STREAM_MAX_M, L.PERSIST_FP8 = 0, False
                     try:
                         tp = H.time_fn(lambda: ops.quant_linear(x, w, s, fmt))
                     finally:
-                        L.STREAM_MAX_M = keep
+                        L.STREAM_MAX_M, L.PERSIST_FP8 = keep
                     r["prev_us"], r["x_prev"] = tp.median_us, tp.median_us / t.median_us
                 if not args.no_ref:
                     tr = H.time_fn(lambda: L.quant_linear_ref(x, w, s, fmt), reps=10)

@@ -3,9 +3,10 @@
 The kernels quantise activations to FP8 per token per 128 (the reference does not), so the
 check is against an emulation of that rounding (every element: |y - emu| <= 2e-2 |emu| +
 1e-2 max|emu|) and against the exact reference (relative Frobenius error <= 0.05).
-Dense M <= 64 runs the one-launch streaming kernel (stream_linear.cu; the launcher's
-stream_max_m=0 selects the grouped kernel, checked on the same inputs), grouped weights the
-grouped kernel, larger M cuBLASLt (fp8) or our kernel (mxfp4).
+Dense fp8 M <= 64 runs the persistent kernel (persist_linear.cu; launcher argument persist), dense
+M <= 64 otherwise the one-launch streaming kernel (stream_linear.cu; the launcher's stream_max_m=0
+selects the grouped kernel, checked on the same inputs), grouped weights the grouped kernel, larger
+M cuBLASLt (fp8) or our kernel (mxfp4).
 mxfp4 with fp32 x is also held to |y - emu| <= 2^-10 sum_k |xq_k w_k| (emu in float64), with
 UE8M0 group scales spread within each 128-K chunk: the bound of the tensor cores' reduced
 precision accumulation (docs/notes/moe.md, "MXFP4 group scales folded") that any accumulation
@@ -274,6 +275,7 @@ def test_stream_linear_graph_capturable(fmt, wgs, monkeypatch):
     replay after poisoning, then with new inputs."""
     monkeypatch.setattr(L, "STREAM_MAX_SPLITS", 8)
     monkeypatch.setattr(L, "STREAM_WGS", wgs)
+    monkeypatch.setattr(L, "PERSIST_FP8", False)  # the streaming kernel (the persistent one: its own test)
     g = torch.Generator(device=DEV).manual_seed(11)
     w1, s1 = make_weight(512, 8192, fmt, "ue8m0", g)
     w2, s2 = make_weight(4096, 1024, fmt, "ue8m0", g)

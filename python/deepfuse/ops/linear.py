@@ -10,7 +10,8 @@ exactly, cast to x.dtype. Activations are not quantised (the transformers oracle
 same when it dequantises; DeepSeek's reference quantises activations to FP8 per 128).
 
 CUDA (quant_linear and grouped_linear with fp8 / mxfp4 weights): the kernels quantise activations to FP8 e4m3 per token per 128 (fp32 scales), as
-DeepSeek's reference does, and run FP8 MMAs: dense M <= STREAM_MAX_M (64) runs the one-launch
+DeepSeek's reference does, and run FP8 MMAs: dense fp8 M <= 64 runs the persistent kernel
+(csrc/gemm/persist_linear.cu; PERSIST_FP8); otherwise dense M <= STREAM_MAX_M (64) runs the one-launch
 weight-streaming kernel (csrc/gemm/stream_linear.cu: TMA weight ring, the activation cast fused,
 K splits reduced across a thread-block cluster, two consumer warpgroups per CTA where it holds one
 CTA per SM: STREAM_WGS) where its plan needs <= STREAM_MAX_SPLITS K splits (default 1: wide N such
@@ -133,10 +134,12 @@ STREAM_POLICY = 0
 STREAM_GROUPED = False
 # Dense fp8 M <= 64 through the persistent kernel (csrc/gemm/persist_linear.cu: one CTA per SM, a TMA
 # producer warp, two math warpgroups, 128-row weight tiles, split-K partials reduced in split order)
-# where it serves the shape; False: the streaming / grouped kernels as above.
-PERSIST_FP8 = False
+# where it serves the shape; False: the streaming / grouped kernels as above. On: H200 2026-12-03 21:36
+# (docs/notes/gemm.md) 1.0x (wq_b M <= 16) to 2.4x (wo_b M = 64) the previous paths.
+PERSIST_FP8 = True
 # Dense mxfp4 M <= 32 through the same structure (e2m1 decoded to e4m3 by a decode warpgroup into a
 # second shared-memory ring, weights on wgmma's M side, per-32 group promotion); False: as above.
+# Off: measured slower than the streaming kernel (wq_b M = 1: 29.7 against 26.5 us; docs/notes/gemm.md).
 PERSIST_MX = False
 PERSIST_SPLITS = 0  # its K splits: 0 the plan's choice (fewest chunks per SM), else at most this many
 
