@@ -60,7 +60,7 @@ bool sparse_decode_enabled();
 // Launches the main kernel; true when it also reduced the split-KV partials (in a cluster of the
 // splits: no combine launch; DEEPFUSE_SPARSE_DECODE_REDUCE=1, sparse_decode_sm90.cu).
 bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream);
-bool sparse_decode_reduce_enabled();
+bool sparse_decode_reduce_enabled(const AttnParams& p);
 
 // Launches the attention (and the split-KV combine when splits > 1). No sync, no allocation.
 void sparse_attention_paged(const AttnParams& p, cudaStream_t stream);

@@ -20,6 +20,9 @@ constexpr int kClusterWaves = 4;
 // Split-KV partials reduced inside a cluster of the row's splits (kRed) instead of the workspace and
 // the combine launch, for 2 <= splits <= kMaxRed; H 128 then runs as two independent 64-head CTAs.
 constexpr bool kSparseDecodeReduce = false;
+// ... and by default for calls of at most kReduceMaxUnits 64-head row blocks (T * H / 64; B 1 decode,
+// which the plan gives 16 splits: H200, K 641 in a graph h 64 14.4 us, h 128 14.3 vs 16.4 with the combine).
+constexpr int kReduceMaxUnits = 4;
 // One split and more CTAs than fit at once: persistent CTAs (one wave; each takes rows t, t + grid, ..)
 // with the split softmax (kPersist). By default for MXFP8 outputs (H200, 4096 rows: 1365 vs 1450 us at
 // h 64, 2713 vs 2835 at h 128: the epilogue of one row overlaps the next row's fill); bf16 outputs keep
@@ -28,7 +31,7 @@ constexpr bool kSparseDecodePersist = true;
 // The producer's slot indices through a shared-memory ring (one rolled step body); false: the
 // previous producer (indices in registers three blocks ahead, its loop unrolled by three), kept for
 // the split-softmax plain paths only. DEEPFUSE_SPARSE_DECODE_PROD=0 / 1 overrides.
-constexpr bool kSparseDecodeRing = false;
+constexpr bool kSparseDecodeRing = true;
 
 bool sparse_decode_covers(const AttnParams& p) {
   if (p.G != 1 || (p.H != 64 && p.H != 128)) return false;
@@ -96,9 +99,10 @@ bool sparse_decode_persist_enabled(const AttnParams& p) {
   return std::strcmp(e, "0") != 0;
 }
 
-bool sparse_decode_reduce_enabled() {
+bool sparse_decode_reduce_enabled(const AttnParams& p) {
   const char* e = std::getenv("DEEPFUSE_SPARSE_DECODE_REDUCE");
-  if (e == nullptr || e[0] == '\0') return kSparseDecodeReduce;
+  if (e == nullptr || e[0] == '\0')
+    return kSparseDecodeReduce || static_cast<int64_t>(p.T) * (p.H / 64) <= kReduceMaxUnits;
   return std::strcmp(e, "0") != 0;
 }
 
@@ -139,7 +143,7 @@ bool sparse_decode_launch(const AttnParams& p, cudaStream_t stream) {
   // The split reduction in a cluster of the row's splits: DEEPFUSE_SPARSE_DECODE_REDUCE=1 (off by
   // default, kSparseDecodeReduce); needs the split softmax, 2 <= splits <= kMaxRed and a cluster of
   // that size that fits; otherwise the partials go to the workspace and the combine kernel.
-  if (split != 0 && p.splits > 1 && p.splits <= attn_wg::kMaxRed && sparse_decode_reduce_enabled() &&
+  if (split != 0 && p.splits > 1 && p.splits <= attn_wg::kMaxRed && sparse_decode_reduce_enabled(p) &&
       reduce_fits(dev, p.splits, split)) {
     const dim3 cluster(1, static_cast<unsigned>(p.splits), 1);
     if (split == 2)

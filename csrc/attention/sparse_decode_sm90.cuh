@@ -17,7 +17,7 @@
 //   stages, "full" / "empty" mbarriers. Slot indices are copied two blocks ahead by cp.async
 //   into a 3-block ring in shared memory (one rolled step body per block, no slot register
 //   waiting on a load; kOldProd: the previous producer, indices in registers three blocks
-//   ahead and its loop unrolled by three), block i + 1's rows are prefetched into L2; the
+//   ahead and its loop unrolled by three), block i + 2's rows are prefetched into L2; the
 //   consumers load Q (cp.async) meanwhile.
 // - Warpgroups 1 and 2 (consumers, 208 registers): warpgroup w owns dims / output columns
 //   256 w .. 256 w + 255. S_w = Q[:, half w] K[:, half w]^T by 16 wgmma m64n64k16 (both
@@ -532,11 +532,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(const __grid
         const int gi = gb + i;
         const RawSlot ks = ring_at(gi, key);
         const RawSlot ms = C == 2 ? ring_at(gi, mkey) : ks;
-        const RawSlot kn = ring_at(gi + 1, key);
         issue_slots(i + 2, gi + 2);
-        prefetch(i + 1, kn);
         convert(i, resolve(i, ks, ms));
         named_bar(4, 128);  // the ring entries of blocks i + 1, i + 2 visible; block i's readers done
+        prefetch(i + 2, ring_at(gi + 2, key));
       }
     } else {
     // Block i: its slot in cur (reloaded with block i + 3's), block i + 2's in n2 (prefetched),

@@ -12,7 +12,8 @@ merges the split-KV partials inside a cluster of a row's splits instead of the c
 One-split calls of more rows than one wave run on persistent CTAs by default for MXFP8 outputs
 (DEEPFUSE_SPARSE_DECODE_PERSIST=0 / 1 forces it off / on: test_persistent, sanitize cases). The split-KV
 combine is a programmatic dependent launch of the main kernel by default (DEEPFUSE_SPARSE_ATTN_PDL=0 / 1:
-test_combine_pdl, graph and sanitize cases). The producer reads the slot indices through a shared-memory
+test_combine_pdl, graph and sanitize cases; calls of <= 4 64-head row blocks reduce their splits in a cluster
+by default instead, so those tests set DEEPFUSE_SPARSE_DECODE_REDUCE=0). The producer reads the slot indices through a shared-memory
 ring by default; DEEPFUSE_SPARSE_DECODE_PROD=0 selects the previous producer (indices in registers,
 loop unrolled by three) on the plain split-softmax paths (test_old_producer, sanitize cases).
 
@@ -66,6 +67,7 @@ def test_decode_csa(wg, H, B, s_q, out_format):
 @pytest.mark.parametrize("case", [
     dict(H=64, T=3, K1=128, K2=None, lens=False, rope=False),                  # window only
     dict(H=64, T=2, K1=129, K2=300),                                            # ragged block ends
+    dict(H=128, T=2, K1=129, K2=512, out_format="mxfp8"),                       # B 1 s_q 2: plan splits, 11 blocks
     dict(H=128, T=5, K1=128, K2=2048, splits=1),                                # one split, long (HCA-like)
     dict(H=64, T=2, K1=128, K2=4096, splits=37),                                # many splits (some empty)
     dict(H=128, T=2, K1=128, K2=8192),                                          # plan splits, 1M-context-like
@@ -101,6 +103,21 @@ def test_h128_no_cluster(wg, monkeypatch, case):
     """DEEPFUSE_SPARSE_DECODE_CLUSTER=0: H 128 as two independent CTAs, each dequantising every key."""
     monkeypatch.setenv(ENV_CLUSTER, "0")
     _run_case(G=1, **case, seed=len(str(case)) + 11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,T,K", [(64, 2, 640), (64, 2, 641), (128, 2, 641), (64, 8, 700), (64, 1, 60), (64, 64, 640),
+                                   (128, 4, 641), (64, 2, 400)])
+def test_plan_splits_cover_64_key_blocks(H, T, K):
+    """Small calls split into about one wave with at most one 64-key block per split (K 641 at 8 CTAs:
+    11 splits, not 10, which gave 6 splits of two blocks); calls of <= 4 CTAs with >= 8 blocks take 16
+    splits (reduced in a 16-CTA cluster by default)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ctas = T * (H // 64)
+    want = max(1, min(sms // ctas if ctas < sms else 1, -(-K // 64)))
+    if ctas <= 4 and -(-K // 64) >= 8 and sms >= 16 * ctas:
+        want = 16
+    assert A.sparse_attention_plan(T, H, K).num_splits == want
 
 
 @pytest.mark.gpu
@@ -242,7 +259,8 @@ def test_combine_pdl(monkeypatch, case, kernel):
     waits for the partials: the same bounds."""
     monkeypatch.setenv(ENV, kernel)
     monkeypatch.setenv(ENV_PDL, "1")
-    for k in (ENV_CLUSTER, ENV_REDUCE, ENV_PERSIST):
+    monkeypatch.setenv(ENV_REDUCE, "0")  # (small calls reduce in a cluster by default: no combine)
+    for k in (ENV_CLUSTER, ENV_PERSIST):
         monkeypatch.delenv(k, raising=False)
     _run_case(G=1, **case, seed=len(str(case)) + 37)
 
@@ -269,8 +287,8 @@ def test_switch_selects_the_kernel(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,cluster,reduce,pdl", [(64, None, None, None), (128, "0", None, None), (128, None, None, None),
-                                                 (64, None, "1", None), (128, None, "1", None), (64, None, None, "1"),
-                                                 (128, None, None, "1"), (64, None, None, "0")])
+                                                 (64, None, "1", None), (128, None, "1", None), (64, None, "0", "1"),
+                                                 (128, None, None, "1"), (64, None, "0", "0")])
 def test_cuda_graph(wg, monkeypatch, H, cluster, reduce, pdl):
     if cluster is not None:
         monkeypatch.setenv(ENV_CLUSTER, cluster)
@@ -335,7 +353,7 @@ def test_cuda_graph(wg, monkeypatch, H, cluster, reduce, pdl):
     dict(H=128, T=3, K1=40, K2=300, splits=3, oob=True, out_format="mxfp8", reduce="1"),
     dict(H=64, T=140, K1=40, K2=70, splits=1, oob=True, persist="1"),
     dict(H=128, T=70, K1=64, K2=64, splits=1, out_format="mxfp8", persist="1"),
-    dict(H=64, T=2, K1=128, K2=512, splits=10, pdl="1"),
+    dict(H=64, T=2, K1=128, K2=512, splits=10, pdl="1", reduce="0"),
     dict(H=64, T=5, K1=40, K2=300, splits=1, oob=True, idx64=True),
     dict(H=64, T=4, K1=40, K2=70, splits=2, oob=True, prod="0"),
     dict(H=128, T=3, K1=128, K2=200, prod="0"),
