@@ -91,6 +91,8 @@ __device__ void plan_scan(const PlanArgs& a, const int* cnt, int* base) {
     __device__ int2 operator()(int2 x, int2 y) const { return make_int2(x.x + y.x, x.y + y.y); }
   };
   Scan(tmp).ExclusiveScan(v, v, make_int2(0, 0), Add{}, total);
+  // ntasks[1]: some routed expert spans several tasks (its rows' tasks then depend on the atomic placement)
+  const int spans = __syncthreads_or((tid * 2 < a.E && cnt[tid * 2] > a.BM) || (tid * 2 + 1 < a.E && cnt[tid * 2 + 1] > a.BM));
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int e = tid * 2 + i;
@@ -102,7 +104,7 @@ __device__ void plan_scan(const PlanArgs& a, const int* cnt, int* base) {
       tk[0] = e, tk[1] = v[i].x + s * a.BM, tk[2] = v[i].x + min(c, (s + 1) * a.BM);
     }
   }
-  if (tid == 0) *a.ntasks = total.y;
+  if (tid == 0) a.ntasks[0] = total.y, a.ntasks[1] = spans;
 }
 
 // The whole plan in one CTA (kPlanThreads threads; cnt / base in shared memory).
@@ -125,8 +127,8 @@ __device__ __forceinline__ void plan_small(const PlanArgs& a, int* cnt, int* bas
     float w;
     const int e = pair_expert(a, q, t, w);
     int pos = -1;
-    if (e >= 0) {
-      pos = atomicAdd(&base[e], 1);
+    if (e >= 0) {  // the shared expert's rows in token order (every token has one), the others by atomics
+      pos = e == a.E ? base[e] + t : atomicAdd(&base[e], 1);
       a.rows[pos] = t;
       a.wrow[pos] = w;
     }
@@ -283,7 +285,7 @@ Workspace carve(const MoeProblem& p, void* base) {
   Workspace w;
   w.counts = reinterpret_cast<int*>(take(4 * nexp));
   w.cursor = reinterpret_cast<int*>(take(4 * nexp));
-  w.ntasks = reinterpret_cast<int*>(take(4));
+  w.ntasks = reinterpret_cast<int*>(take(8));  // [0] tasks, [1] a routed expert spans several tasks
   w.tasks = reinterpret_cast<int*>(take(12 * U));
   w.rows = reinterpret_cast<int*>(take(4 * P));
   w.inv = reinterpret_cast<int*>(take(4 * P));

@@ -272,7 +272,9 @@ __global__ void __launch_bounds__(threads_of(MX), 1) moe_stream_kernel(const Arg
   const int64_t stR = static_cast<int64_t>(Rt) * a.ntiles * nR;
   const int64_t total = stR + static_cast<int64_t>(ntk - Rt) * a.ntiles * nF;
   int64_t s0, s1;
-  if (a.balance) {  // ranges of >= nmax stages: a tile meets at most two CTAs
+  // Balance only while the plan's rows are placed deterministically into tasks (each routed expert in one task;
+  // the shared expert's rows in token order): a split tile's sum order depends on its task's place in the work.
+  if (a.balance && a.ntasks[1] == 0) {  // ranges of >= nmax stages: a tile meets at most two CTAs
     const int nmax = ntk > Rt ? max(nR, nF) : nR;
     const int64_t G = max64(1, min64(gridDim.x, total / nmax));
     if (blockIdx.x >= G) return;  // the whole CTA

@@ -15,7 +15,7 @@ struct MoeStreamIO {
   bool x_bf16;
   const int* rows;          // plan: token of each position
   const int* tasks;         // plan: [U, 3] tasks of <= 16 positions (expert, first, end)
-  const int* ntasks;
+  const int* ntasks;        // plan: [0] tasks, [1] 1 if a routed expert spans several tasks
   int64_t U;                // tasks bound
   __nv_bfloat16* h;         // [P, inter]
   float* Y;                 // [P, d]

@@ -113,8 +113,13 @@ def path(request, monkeypatch):
     monkeypatch.setattr(M, "STREAM_MAX_T", 0 if grouped else 256)
     monkeypatch.setattr(M, "STREAM_MIN_T", {})
     monkeypatch.setattr(M, "PREFILL_MIN_T", 0 if grouped else 257)
-    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", 256 if request.param == "balanced" else 0)
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", bal_of(256 if request.param == "balanced" else 0))
     return request.param
+
+
+def bal_of(t):
+    """ops.moe.STREAM_BALANCE_MAX_T for both formats."""
+    return {"fp8": t, "mxfp4": t}
 
 
 def check(out, emu, ref):
@@ -250,7 +255,7 @@ def test_moe_experts_deterministic_and_graph_capturable(fmt, path):
 def test_moe_experts_stream_many_tasks(fmt, T, E, k, kind, bal, monkeypatch):
     """The streaming decode kernels where CTAs' tile ranges cross many tasks (and the shared
     expert's tasks), against the emulation; bitwise equal on a second call. bal: STREAM_BALANCE_MAX_T."""
-    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", bal)
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", bal_of(bal))
     g = torch.Generator(device=DEV).manual_seed(T + E)
     ex, sh = make_experts(E, 256, 512, fmt, seed=E, shared=True)
     x = torch.randn(T, 512, device=DEV, generator=g).to(torch.bfloat16)
@@ -269,7 +274,7 @@ def test_moe_experts_stream_mxfp4_shapes(T, d, I, kind, shared, bal, monkeypatch
     """mxfp4 decode kernels: K / 128 odd (the last stage holds one chunk), group scales copied 4
     (K / 32 % 16 != 0) or 16 bytes at a time, skewed routings; against the emulation, bitwise equal
     on a second call. bal: STREAM_BALANCE_MAX_T."""
-    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", bal)
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", bal_of(bal))
     monkeypatch.setattr(M, "STREAM_MIN_T", {})
     E, k = 16, 4
     g = torch.Generator(device=DEV).manual_seed(T + d)
@@ -374,12 +379,12 @@ def test_moe_experts_prefill_graph_capturable(prefill):
 @pytest.mark.sanitize
 def test_moe_sanitize_small():
     """Small cases of every kernel path for compute-sanitizer (tools/gpu/gpu_run.sh)."""
-    keep = M.STREAM_MAX_T, M.STREAM_MIN_T, M.PREFILL_MIN_T
+    keep = M.STREAM_MAX_T, M.STREAM_MIN_T, M.PREFILL_MIN_T, M.STREAM_BALANCE_MAX_T
     M.STREAM_MIN_T = {}
     for fmt, spread, T in (("fp8", 0, 1), ("mxfp4", 0, 2), ("mxfp4", 40, 2), ("fp8", 0, 300), ("mxfp4", 0, 300),
                            ("fp8", 0, 40), ("mxfp4", 40, 40)):
         for smt, bal in ((0, 0), (256, 0), (256, 256)):  # T > 256: 0 = the grouped kernels, 256 = the default
-            M.STREAM_MAX_T, M.STREAM_BALANCE_MAX_T = smt, bal
+            M.STREAM_MAX_T, M.STREAM_BALANCE_MAX_T = smt, bal_of(bal)
             M.PREFILL_MIN_T = 0 if smt == 0 else keep[2]
             g = torch.Generator(device=DEV).manual_seed(T)
             ex, sh = make_experts(4, 256, 256, fmt, seed=T, shared=True, spread=spread)
@@ -394,7 +399,7 @@ def test_moe_sanitize_small():
         x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
         ids, w = routing(T, 4, 2, "dropped", g)
         assert torch.isfinite(run_kernel(x, ids, w, ex, "mxfp4", 6.0, sh)).all()
-    M.STREAM_MAX_T, M.STREAM_MIN_T, M.STREAM_BALANCE_MAX_T = keep[0], keep[1], 0
+    M.STREAM_MAX_T, M.STREAM_MIN_T, M.STREAM_BALANCE_MAX_T = keep[0], keep[1], keep[3]
     M.PREFILL_MIN_T = 257  # the fp8 prefill kernels: one hot expert, dropped ids, fp32 x
     for T, kind, dt in ((300, "dropped", torch.bfloat16), (520, "one", torch.bfloat16), (290, "few", torch.float32)):
         g = torch.Generator(device=DEV).manual_seed(T)
@@ -552,7 +557,7 @@ def test_moe_gate_experts_deterministic_and_graph_capturable(fmt, path, gate_fus
 
 @pytest.mark.sanitize
 def test_moe_gate_sanitize_small(gate_fused, monkeypatch):
-    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", 256)
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", bal_of(256))
     for fmt, T, E, k, hashed in (("fp8", 1, 16, 2, False), ("mxfp4", 9, 64, 6, True), ("fp8", 40, 256, 6, False)):
         g = torch.Generator(device=DEV).manual_seed(T)
         ex, sh = make_experts(E, 256, 256, fmt, seed=T, shared=True)
@@ -578,7 +583,7 @@ def test_moe_experts_balanced_split_tiles(fmt, T, monkeypatch):
     x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
     ids, w = routing(T, E, k, "random", g)
     whole = run_kernel(x, ids, w, ex, fmt, 8.0, sh)
-    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", 256)
+    monkeypatch.setattr(M, "STREAM_BALANCE_MAX_T", bal_of(256))
     out = run_kernel(x, ids, w, ex, fmt, 8.0, sh)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), whole.float(), rtol=2e-2, atol=2e-2 * whole.float().abs().max().item())

@@ -68,13 +68,16 @@ PREFILL_MXFP4_MIN_T = 257
 # moe_gate_experts on CUDA: T up to this (<= 256; 0: off) runs the router fused into moe_experts (csrc/moe:
 # the logits GEMV in one launch, route + plan in one CTA after it, ids / weights written by the kernels): the
 # x.float() copy, the cuBLAS GEMV, moe_route and the plan launch become two launches. Above it (or off):
-# F.linear(x.float(), gate_weight), moe_route, moe_experts (what the model ran before).
-GATE_FUSED_MAX_T = 0
+# F.linear(x.float(), gate_weight), moe_route, moe_experts (what the model ran before). H200, V4-Flash: T = 1 / 8
+# 0.89 / 0.94x the unfused time, T = 64 1.05x (slower; docs/notes/moe.md, "The MoE decode step, session 5").
+GATE_FUSED_MAX_T = 8
 # the streaming decode kernels at T up to this (0: off): each CTA takes an equal range of 16 KB stages (a
 # tile then split between two neighbouring CTAs, whose partial sums the second to finish adds) instead of
 # whole tiles (T = 1: 92 of 132 CTAs take two tiles, 40 one). A split tile's sum order then depends on the
-# split point (deterministic for given inputs, not independent of the rest of the batch).
-STREAM_BALANCE_MAX_T = 0
+# split point (deterministic for given inputs, not independent of the rest of the batch); used only while every
+# routed expert fits one task (the plan says so). Per format: H200 V4-Flash mxfp4 T = 1 / 8 / 64 1.29 / 1.10 /
+# 1.17x faster (the fp8 shared expert's tiles are twice as long as the routed ones); fp8 1.00-0.91x: off.
+STREAM_BALANCE_MAX_T = {"fp8": 0, "mxfp4": 256}
 
 
 def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -267,7 +270,7 @@ def _(x, ids, weights, w1, w3, w2, s1, s3, s2, fmt, limit, sh_w1, sh_w3, sh_w2, 
                       w2_scale=s2.contiguous(), out=out, workspace=work, limit=float(limit),
                       stream_max_t=int(STREAM_MAX_T) if T >= STREAM_MIN_T.get(fmt, 1) else 0,
                       prefill_min_t=int(PREFILL_MIN_T if fmt == "fp8" else PREFILL_MXFP4_MIN_T if PREFILL_MIN_T else 0),
-                      stream_balance_max_t=int(STREAM_BALANCE_MAX_T),
+                      stream_balance_max_t=int(STREAM_BALANCE_MAX_T.get(fmt, 0)),
                       **{n: t.contiguous() for n, t in sh.items()})
     if shared is not None and not fused:
         out = (out.float() + shared_expert_ref(x, shared, limit)).to(x.dtype)
@@ -344,7 +347,7 @@ def _(x, gate_weight, bias, k, route_scale, score_func, hash_ids, w1, w3, w2, s1
                            w1=w1.contiguous(), w1_scale=s1.contiguous(), w3=w3.contiguous(), w3_scale=s3.contiguous(),
                            w2=w2.contiguous(), w2_scale=s2.contiguous(), out=out, workspace=work, limit=float(limit),
                            stream_max_t=int(STREAM_MAX_T) if T >= STREAM_MIN_T.get(fmt, 1) else 0,
-                           prefill_min_t=0, stream_balance_max_t=int(STREAM_BALANCE_MAX_T),
+                           prefill_min_t=0, stream_balance_max_t=int(STREAM_BALANCE_MAX_T.get(fmt, 0)),
                            **{n: t.contiguous() for n, t in sh.items()})
     return out, w, ids
 
