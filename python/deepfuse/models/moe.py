@@ -114,16 +114,24 @@ class MoE(nn.Module):
         cfg = self.cfg
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        logits = self.gate.logits(flat)
         hash_ids = None
         if self.is_hash:
             if input_ids is None:
                 raise ValueError("deepfuse: a hash-routed MoE layer needs the input token ids")
             hash_ids = self.gate.tid2eid[input_ids.reshape(-1)]
+        shared = self._fused_shared()
+        if shared is not None and flat.is_cuda and flat.shape[0] <= ops.moe.GATE_FUSED_MAX_T \
+                and self.gate.weight.dtype == torch.float32:  # few rows: the router inside the experts' launches
+            e = self.experts
+            return ops.moe.moe_gate_experts(
+                flat, self.gate.weight, cfg.num_experts_per_tok, e.w1, e.w3, e.w2,
+                bias=None if self.is_hash else self.gate.bias, route_scale=cfg.routed_scaling_factor,
+                score_func=cfg.scoring_func, hash_ids=hash_ids, s1=e.s1, s3=e.s3, s2=e.s2, fmt=e.fmt,
+                limit=cfg.swiglu_limit, shared=shared)[0].view(shape)
+        logits = self.gate.logits(flat)
         weights, ids = ops.moe_route(logits, cfg.num_experts_per_tok, bias=None if self.is_hash else self.gate.bias,
                                      route_scale=cfg.routed_scaling_factor, score_func=cfg.scoring_func,
                                      hash_ids=hash_ids)
-        shared = self._fused_shared()
         if shared is not None:  # one more expert inside the fused MoE kernels
             return self.experts(flat, ids, weights, cfg.swiglu_limit, shared=shared).view(shape)
         y = self.experts(flat, ids, weights, cfg.swiglu_limit)
