@@ -47,7 +47,7 @@ constexpr int kDecodeG2Jobs = 192;    //   auto: groups of 4 split in two below 
 constexpr int kStagesSingle = 4;      // DEEPFUSE_INDEXER_STAGES (4 / 5 / 6): key stages, one-token CTAs
 // H 64 single-token CTAs (decode next_n 1): whole-page key tiles by TMA, else the gather of 4 whole rows
 // per copy instruction (kCopyTma | kCopyLines); off: kTma = 0, kGather = 2 (the sector-pair gather)
-constexpr int kTma = 1;               // DEEPFUSE_INDEXER_TMA (0 / 1)
+constexpr int kTma = 0;               // DEEPFUSE_INDEXER_TMA (0 / 1)
 constexpr int kGather = 3;            // DEEPFUSE_INDEXER_GATHER (2 / 3)
 constexpr int kQK2 = 1;               // DEEPFUSE_INDEXER_QK2 (0 / 1): exact q's two terms along K (H 64)
 constexpr int kSplitWait = 0;         // DEEPFUSE_INDEXER_SPLIT (0 / 1): groups of 4 as two chains, split waits
