@@ -75,7 +75,7 @@ def fake_device(monkeypatch):
 LAUNCHERS = ("fp8_group_cast", "fp8_block_cast", "topk", "kv_store", "indexer_key_store", "kv_window_copy",
              "sparse_attention_paged", "moe_route", "moe_experts", "fp8_linear", "hc_mix", "hc_post", "norm_rope",
              "compress_store", "state_store", "indexer_logits_paged", "engram_hash", "engram_lookup", "engram_embed",
-             "engram_gate", "fp8_linear_prefill")
+             "engram_gate", "fp8_linear_prefill", "moe_gate_experts")
 
 
 def test_sm100_op_table(fake_device):
